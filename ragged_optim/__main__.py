@@ -1,0 +1,3 @@
+from ragged_optim.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Sharding layer: block specs, the planner, flat buffers, fully_shard, state dicts."""

@@ -1,0 +1,118 @@
+"""The shared vocabulary of the sharding layer: block specs and the layout a planner produces.
+
+A unit (one ``fully_shard`` call) is one flat buffer of ``world_size * shard_size`` elements; rank k owns
+``[k * S, (k + 1) * S)``. Tensor i occupies ``[offsets[i], offsets[i] + numels[i])``; padding sits only between
+tensors and after the last one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class BlockSpec:
+    """Which runs of a tensor's flattened elements an optimizer needs whole.
+
+    Blocks are runs of ``block`` elements that restart every ``period`` elements (a matrix of a stack, or the
+    whole tensor), so the last block of each period may be shorter. ``owner_computed`` blocks (Muon's whole
+    matrices) are always computed on one owner rank, gathered there if the layout cuts them; other blocks are
+    computed where they live, and the planner keeps them whole or marks them *split* (then an owner computes them).
+    """
+
+    block: int
+    period: int
+    owner_computed: bool = False
+
+    def __post_init__(self):
+        if self.block < 1 or self.period < 1:
+            raise ValueError(f"BlockSpec sizes must be >= 1, got block={self.block}, period={self.period}")
+
+    @staticmethod
+    def elements(g: int, numel: int) -> BlockSpec:
+        """Runs of ``g`` elements of the flattened tensor (8-bit Adam quantization blocks)."""
+        return BlockSpec(block=max(1, min(g, numel)), period=max(1, numel))
+
+    @staticmethod
+    def rows(g: int, shape) -> BlockSpec:
+        """Bands of ``g`` rows of each ``[R, C]`` matrix of a ``[..., R, C]`` tensor; 1-D tensors take runs of g."""
+        shape = tuple(shape)
+        numel = math.prod(shape)
+        if len(shape) < 2:
+            return BlockSpec.elements(g, numel)
+        r, c = shape[-2], shape[-1]
+        return BlockSpec(block=max(1, min(g, r) * c), period=max(1, r * c))
+
+    @staticmethod
+    def matrices(shape, *, matrix_dims: int | None = None) -> BlockSpec:
+        """Whole matrices, computed on an owner rank. ``[..., R, C]`` stacks give one block per trailing matrix;
+        ``matrix_dims=None`` with ndim > 3 (a conv weight) flattens everything after dim 0 into one matrix."""
+        shape = tuple(shape)
+        numel = max(1, math.prod(shape))
+        if len(shape) <= 1 or len(shape) > 3:
+            per = numel
+        else:
+            per = max(1, shape[-2] * shape[-1])
+        return BlockSpec(block=per, period=per, owner_computed=True)
+
+    def is_boundary(self, x: int, numel: int) -> bool:
+        """True when flat offset ``x`` (0 <= x <= numel) falls between two blocks."""
+        return x <= 0 or x >= numel or (x % self.period) % self.block == 0
+
+    def block_of(self, x: int, numel: int) -> tuple[int, int]:
+        """The block ``[start, end)`` that holds element ``x``."""
+        base = x - (x % self.period)
+        start = base + ((x - base) // self.block) * self.block
+        end = min(start + self.block, base + self.period, numel)
+        return start, end
+
+
+@dataclass(frozen=True)
+class OwnedBlock:
+    """A block computed whole on ``owner``: tensor-local element range ``[start, end)``."""
+
+    start: int
+    end: int
+    owner: int
+    split: bool  # True: a locally-computed block that a rank boundary cuts
+
+
+@dataclass
+class Layout:
+    """A plan for one unit. Produced by ``plan_unit``; read by the runtime and the optimizers."""
+
+    world_size: int
+    shard_size: int  # S, elements per rank
+    itemsize: int
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    specs: tuple[BlockSpec, ...]
+    offsets: tuple[int, ...]
+    # Per tensor: blocks that one owner computes whole (owner-computed specs, and split blocks).
+    owned_blocks: tuple[tuple[OwnedBlock, ...], ...] = field(default=())
+
+    @property
+    def numels(self) -> tuple[int, ...]:
+        return tuple(math.prod(s) for s in self.shapes)
+
+    @property
+    def total_size(self) -> int:
+        return self.world_size * self.shard_size
+
+    def local_range(self, rank: int, i: int) -> tuple[int, int]:
+        """Rank's piece of tensor i as a tensor-local element range ``[lo, hi)`` (empty when lo == hi)."""
+        off, n = self.offsets[i], math.prod(self.shapes[i])
+        r0, r1 = rank * self.shard_size, (rank + 1) * self.shard_size
+        lo, hi = max(off, r0), min(off + n, r1)
+        if hi <= lo:
+            return 0, 0
+        return lo - off, hi - off
+
+    def ranks_of(self, i: int, start: int, end: int) -> range:
+        """The ranks that hold some of tensor i's elements ``[start, end)``."""
+        a = self.offsets[i] + start
+        b = self.offsets[i] + end
+        if b <= a:
+            return range(0)
+        return range(a // self.shard_size, (b - 1) // self.shard_size + 1)
