@@ -1,0 +1,149 @@
+"""Run a function on W local gloo ranks: the embedded launcher used by tests, benchmarks and `train`.
+
+Children are forked, so they inherit the caller's imports (no ~3 s re-import per rank) and any function,
+including one defined in a test module, can run without being importable by name.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import socket
+import tempfile
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+
+class RankFailure(RuntimeError):
+    """A rank raised, died or timed out; the message carries its rank and traceback."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(fn, rank, world_size, args, kwargs, store_path, timeout_s, threads, conn):
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    try:
+        store = dist.FileStore(store_path, world_size)
+        dist.init_process_group(
+            "gloo",
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        try:
+            result = fn(rank, world_size, *args, **kwargs)
+        finally:
+            dist.destroy_process_group()
+        conn.send(("ok", result))
+    except BaseException as e:  # report every failure to the parent, then exit non-zero
+        conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        os._exit(1)
+    finally:
+        conn.close()
+    os._exit(0)
+
+
+def run_on_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 120.0,
+    threads_per_rank: int | None = None,
+    **kwargs: Any,
+) -> list[Any]:
+    """Call ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` forked gloo ranks; return their results.
+
+    Results must be picklable. A rank that raises, dies or exceeds ``timeout_s`` ends the run with
+    ``RankFailure`` naming the rank; the remaining ranks are killed, so nothing hangs.
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
+    ctx = mp.get_context("fork")
+    with tempfile.TemporaryDirectory(prefix="ro-ranks-") as tmp:
+        store_path = os.path.join(tmp, "store")
+        procs, conns = [], []
+        for rank in range(world_size):
+            parent_conn, child_conn = ctx.Pipe(duplex=False)
+            p = ctx.Process(
+                target=_child,
+                args=(fn, rank, world_size, args, kwargs, store_path, timeout_s, threads, child_conn),
+                daemon=True,
+            )
+            p.start()
+            child_conn.close()
+            procs.append(p)
+            conns.append(parent_conn)
+        return _collect(procs, conns, timeout_s)
+
+
+def _collect(procs, conns, timeout_s: float) -> list[Any]:
+    import time
+
+    deadline = time.monotonic() + timeout_s + 30.0
+    results: list[Any] = [None] * len(procs)
+    pending = set(range(len(procs)))
+    failure = None
+    try:
+        while pending and failure is None:
+            for rank in sorted(pending):
+                conn = conns[rank]
+                if conn.poll(0.02):
+                    try:
+                        status, payload = conn.recv()
+                    except EOFError:
+                        status, payload = "error", f"rank {rank} exited (code {procs[rank].exitcode}) without a result"
+                    if status == "ok":
+                        results[rank] = payload
+                        pending.discard(rank)
+                    else:
+                        failure = RankFailure(f"rank {rank} failed: {payload}")
+                        break
+                elif not procs[rank].is_alive() and not conn.poll(0):
+                    failure = RankFailure(f"rank {rank} died with exit code {procs[rank].exitcode} and no result")
+                    break
+            if failure is None and time.monotonic() > deadline:
+                failure = RankFailure(f"ranks {sorted(pending)} did not finish within {timeout_s:.0f} s")
+        if failure is not None:
+            failure = _with_peer_errors(failure, conns, pending)
+    finally:
+        for p in procs:
+            if failure is not None and p.is_alive():
+                p.kill()
+            p.join(timeout=5)
+    if failure is not None:
+        raise failure
+    return results
+
+
+def _with_peer_errors(failure: RankFailure, conns, pending, grace_s: float = 2.0) -> RankFailure:
+    """When one rank fails, its peers usually fail too (a closed connection); gather them for a short grace
+    period so the report shows the rank that failed first in its own words, not only a peer's echo."""
+    import time
+
+    messages = [str(failure)]
+    deadline = time.monotonic() + grace_s
+    waiting = set(pending)
+    while waiting and time.monotonic() < deadline:
+        for rank in sorted(waiting):
+            if conns[rank].poll(0.02):
+                waiting.discard(rank)
+                try:
+                    status, payload = conns[rank].recv()
+                except EOFError:
+                    continue
+                if status == "error" and f"rank {rank} failed" not in messages[0]:
+                    messages.append(f"rank {rank} failed: {payload}")
+    # A user exception reads better than the peers' transport errors: put those last.
+    messages.sort(key=lambda m: "gloo" in m.split("\n", 1)[0])
+    return RankFailure("\n".join(messages))
