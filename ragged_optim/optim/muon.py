@@ -1,0 +1,398 @@
+"""Muon for hidden-layer matrices, AdamW for everything else, in one ``torch.optim.Optimizer``.
+
+A Muon step has three phases, kept apart so that a sharded subclass can replace only the middle one:
+
+(a) **local, elementwise** (:meth:`Muon._local_muon_update`): decoupled weight decay ``p *= 1 - lr * wd``, momentum
+    ``buf.lerp_(grad, 1 - momentum)`` and the Nesterov blend ``u = grad.lerp(buf, momentum)`` (``u = buf``
+    without Nesterov). Works on whatever tensor ``p`` is: a whole param or one rank's shard of it.
+(b) **matrix** (:meth:`Muon._orthogonalize_updates`): Newton-Schulz on each update viewed as its matrix (2-D as is,
+    a 3-D stack ``[E, R, C]`` as E matrices, 4-D+ conv weights flattened to ``[out, rest]``), batched by shape.
+(c) **local, elementwise** (:meth:`Muon._apply_muon_update`): ``p.add_(o, alpha=-adjusted_lr)`` where the adjusted
+    lr comes from :meth:`Muon._matrix_shape`, so a sharded param reports its *full* matrix shape.
+
+AdamW params only ever take elementwise steps (:func:`adamw_update_`), so they work on shards unchanged.
+
+Numerics of the Muon params match ``torch.optim.Muon`` (same op sequence; bitwise on CPU in our tests), and of the
+AdamW params match ``torch.optim.AdamW`` (single-tensor path, bitwise).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from ragged_optim.kernels.newton_schulz import (
+    DEFAULT_NS_COEFFICIENTS,
+    DEFAULT_NS_EPS,
+    DEFAULT_NS_STEPS,
+    newton_schulz,
+)
+
+__all__ = ["Muon", "MuonItem", "adamw_update_", "adjust_lr", "BF16_NS_REL_TOL"]
+
+#: Relative difference ``max|p_bf16 - p_fp32| / max|p_fp32|`` between Muon runs that differ only in the
+#: Newton-Schulz compute dtype (bf16 vs fp32), measured on one process (tests/test_muon_plain.py recomputes it
+#: and asserts it stays below this). Use it as the tolerance when comparing a sharded bf16 run with a one-process
+#: run whose NS batching or reduction order may differ: bf16 NS is only reproducible to about this level.
+BF16_NS_REL_TOL = 2e-2
+
+_ADJUST_LR_MODES = ("original", "match_rms_adamw")
+# Group keys that only mean something for one kind of group; the other kind's groups do not keep them.
+_MUON_ONLY_KEYS = ("momentum", "nesterov", "ns_steps", "ns_coefficients", "adjust_lr", "ns_dtype")
+_ADAMW_PREFIXED = ("adamw_lr", "adamw_betas", "adamw_eps", "adamw_weight_decay")
+_ADAMW_ONLY_KEYS = ("betas",)
+
+
+class MuonItem(NamedTuple):
+    """One Muon param's update on its way from phase (a) to phase (b)/(c) of :meth:`Muon.step`."""
+
+    param: Tensor  # the param tensor as the optimizer holds it (whole, or a shard)
+    update: Tensor  # the momentum/Nesterov update, same shape as ``param``
+    group: dict  # the param group (ns_steps, ns_coefficients, eps, ns_dtype, lr, adjust_lr)
+
+
+def adjust_lr(lr: float, mode: str | None, matrix_shape: tuple[int, int]) -> float:
+    """Muon's shape-dependent learning rate, written exactly as ``torch.optim.Muon`` computes it.
+
+    ``"original"`` (Keller Jordan): ``lr * sqrt(max(1, m / n))``; ``"match_rms_adamw"`` (Moonshot):
+    ``lr * 0.2 * sqrt(max(m, n))``, which lets Muon reuse an AdamW-tuned lr and weight decay.
+    """
+    m, n = matrix_shape
+    if mode is None or mode == "original":
+        ratio = math.sqrt(max(1, m / n))
+    elif mode == "match_rms_adamw":
+        ratio = 0.2 * math.sqrt(max(m, n))
+    else:
+        raise ValueError(f"adjust_lr must be one of {_ADJUST_LR_MODES}, got {mode!r}")
+    return lr * ratio
+
+
+def adamw_update_(
+    p: Tensor,
+    grad: Tensor,
+    state: dict,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """One AdamW step on ``p`` in place; elementwise only, so ``p``/``grad`` may be a shard.
+
+    Same op sequence as ``torch.optim.AdamW``'s single-tensor path (bitwise equal results). ``state`` holds
+    ``step`` (a float32 scalar tensor), ``exp_avg`` and ``exp_avg_sq`` (created here on first use).
+    """
+    if "step" not in state:
+        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    step_t, exp_avg, exp_avg_sq = state["step"], state["exp_avg"], state["exp_avg_sq"]
+    step_t += 1
+    if weight_decay != 0:
+        p.mul_(1 - lr * weight_decay)
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    step = step_t.item()
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
+    step_size = lr / bias_correction1
+    denom = (exp_avg_sq.sqrt() / bias_correction2**0.5).add_(eps)
+    p.addcdiv_(exp_avg, denom, value=-step_size)
+
+
+def _scalar(x: Any) -> float:
+    return x.item() if isinstance(x, Tensor) else x
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon (MomentUm Orthogonalized by Newton-Schulz) for matrices, AdamW for the rest.
+
+    Args:
+        params: tensors or param groups. A group may carry ``use_muon`` (bool). Groups without it are split by
+            shape: params with ``ndim >= 2`` get Muon, the rest AdamW. Shape alone cannot tell an embedding table
+            or the output head (2-D, but they belong with AdamW) from a hidden matrix: build the groups with
+            :func:`ragged_optim.optim.muon_param_groups` for a model, or set ``use_muon`` yourself.
+        lr, momentum, nesterov, weight_decay: Muon hyperparameters (``torch.optim.Muon``'s meaning; weight decay
+            is decoupled: ``p *= 1 - lr * weight_decay``).
+        ns_steps, ns_coefficients, eps: the Newton-Schulz iteration (see :func:`ragged_optim.kernels.newton_schulz`).
+        adjust_lr: ``"original"`` (``sqrt(max(1, m/n))``) or ``"match_rms_adamw"`` (``0.2 * sqrt(max(m, n))``),
+            torch's ``adjust_lr_fn``; ``None`` means ``"original"``.
+        ns_dtype: Newton-Schulz compute dtype, ``torch.bfloat16`` (torch.optim.Muon's) or ``torch.float32``.
+        adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: defaults for AdamW params.
+
+    Group keys. In a group with ``use_muon=False`` the keys ``lr``, ``betas``, ``eps``, ``weight_decay`` are the
+    AdamW values (falling back to the group's ``adamw_*`` keys, then to the constructor's ``adamw_*``). In a group
+    without ``use_muon`` (split by shape), plain keys belong to the Muon half and the AdamW half reads only the
+    group's ``adamw_*`` keys. Every stored group has ``use_muon`` set, so LR schedulers, ``state_dict`` and
+    ``load_state_dict`` work as usual (a split group is two entries in ``param_groups``).
+
+    Matrix view of a Muon param: 2-D as is; 3-D ``[E, R, C]`` is a stack of E matrices ``R x C`` each orthogonalized
+    alone (fused experts; a Conv1d weight ``[out, in, k]`` is 3-D too: give it ``use_muon=False`` or reshape it);
+    4-D and up (conv) flattened to ``[shape[0], prod(rest)]``. The lr adjustment uses that matrix shape.
+
+    State: ``momentum_buffer`` for Muon params; ``step``, ``exp_avg``, ``exp_avg_sq`` for AdamW params (torch's
+    names). Params whose ``grad`` is None are skipped.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float = 0.02,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        weight_decay: float = 0.0,
+        ns_steps: int = DEFAULT_NS_STEPS,
+        ns_coefficients: tuple[float, float, float] = DEFAULT_NS_COEFFICIENTS,
+        eps: float = DEFAULT_NS_EPS,
+        adjust_lr: str | None = "original",
+        ns_dtype: torch.dtype = torch.bfloat16,
+        adamw_lr: float = 3e-4,
+        adamw_betas: tuple[float, float] = (0.9, 0.95),
+        adamw_eps: float = 1e-10,
+        adamw_weight_decay: float = 0.0,
+    ) -> None:
+        defaults = dict(
+            lr=lr,
+            momentum=momentum,
+            nesterov=nesterov,
+            weight_decay=weight_decay,
+            ns_steps=ns_steps,
+            ns_coefficients=tuple(ns_coefficients),
+            eps=eps,
+            adjust_lr=adjust_lr,
+            ns_dtype=ns_dtype,
+            adamw_lr=adamw_lr,
+            adamw_betas=tuple(adamw_betas),
+            adamw_eps=adamw_eps,
+            adamw_weight_decay=adamw_weight_decay,
+        )
+        super().__init__(params, defaults)
+
+    # ------------------------------------------------------------------ groups
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group; a group without ``use_muon`` is split by ``ndim`` into a Muon and an AdamW group."""
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict, but got {type(param_group)}")
+        entries = param_group["params"]
+        if isinstance(entries, Tensor):
+            entries = [entries]
+        elif isinstance(entries, set):
+            raise TypeError("Muon params must be an ordered collection (a list), not a set")
+        else:
+            entries = list(entries)
+        use_muon = param_group.get("use_muon")
+        if use_muon is None:
+            tensor = lambda e: e[1] if isinstance(e, tuple) else e
+            matrices = [e for e in entries if isinstance(tensor(e), Tensor) and tensor(e).ndim >= 2]
+            others = [e for e in entries if not (isinstance(tensor(e), Tensor) and tensor(e).ndim >= 2)]
+            if matrices:
+                self._add_group(param_group, matrices, use_muon=True, split=True)
+            if others or not matrices:
+                self._add_group(param_group, others, use_muon=False, split=True)
+        else:
+            self._add_group(param_group, entries, use_muon=bool(use_muon), split=False)
+
+    def _add_group(self, user: dict[str, Any], entries: list, *, use_muon: bool, split: bool) -> None:
+        d = self.defaults
+        group: dict[str, Any] = {"params": entries, "use_muon": use_muon}
+        known = {"params", "use_muon", "lr", "eps", "weight_decay", *_MUON_ONLY_KEYS, *_ADAMW_PREFIXED}
+        known.update(_ADAMW_ONLY_KEYS)
+        for k, v in user.items():  # keys we do not interpret (user tags) go to every half
+            if k not in known:
+                group[k] = v
+        if use_muon:
+            for k in ("lr", "eps", "weight_decay", *_MUON_ONLY_KEYS):
+                group[k] = user.get(k, d[k])
+            if group["adjust_lr"] is None:
+                group["adjust_lr"] = "original"
+            group["ns_coefficients"] = tuple(group["ns_coefficients"])
+        else:
+            for short, long in (("lr", "adamw_lr"), ("betas", "adamw_betas"), ("eps", "adamw_eps")):
+                group[short] = user.get(long, d[long]) if split else user.get(short, user.get(long, d[long]))
+            wd = "adamw_weight_decay"
+            group["weight_decay"] = user.get(wd, d[wd]) if split else user.get("weight_decay", user.get(wd, d[wd]))
+            group["betas"] = tuple(group["betas"])
+        self._validate_group(group)
+        super().add_param_group(group)
+        group = self.param_groups[-1]
+        # Optimizer.add_param_group filled in every default; keep only the keys this kind of group uses.
+        drop = _ADAMW_PREFIXED if use_muon else (*_MUON_ONLY_KEYS, *_ADAMW_PREFIXED)
+        for k in drop:
+            group.pop(k, None)
+        try:
+            self._check_params(len(self.param_groups) - 1, group, explicit=not split)
+        except ValueError:
+            self.param_groups.pop()
+            raise
+
+    @staticmethod
+    def _validate_group(g: dict[str, Any]) -> None:
+        lr = _scalar(g["lr"])
+        if not lr >= 0.0:
+            raise ValueError(f"lr must be >= 0, got {lr}")
+        if not g["weight_decay"] >= 0.0:
+            raise ValueError(f"weight_decay must be >= 0, got {g['weight_decay']}")
+        if not g["eps"] >= 0.0:
+            raise ValueError(f"eps must be >= 0, got {g['eps']}")
+        if g["use_muon"]:
+            if not 0.0 <= g["momentum"] < 1.0:
+                raise ValueError(f"momentum must be in [0, 1), got {g['momentum']}")
+            if g["adjust_lr"] not in _ADJUST_LR_MODES:
+                raise ValueError(f"adjust_lr must be one of {_ADJUST_LR_MODES} or None, got {g['adjust_lr']!r}")
+            if not isinstance(g["ns_steps"], int) or not 0 <= g["ns_steps"] < 100:
+                raise ValueError(f"ns_steps must be an int in [0, 100), got {g['ns_steps']!r}")
+            if len(g["ns_coefficients"]) != 3:
+                raise ValueError(f"ns_coefficients must be (a, b, c), got {g['ns_coefficients']!r}")
+            if not (isinstance(g["ns_dtype"], torch.dtype) and g["ns_dtype"].is_floating_point):
+                raise ValueError(f"ns_dtype must be a floating torch.dtype (bfloat16 or float32), got {g['ns_dtype']}")
+        else:
+            b1, b2 = g["betas"]
+            if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
+                raise ValueError(f"AdamW betas must be in [0, 1), got {g['betas']}")
+
+    def _param_label(self, gi: int, i: int) -> str:
+        group = self.param_groups[gi]
+        p = group["params"][i]
+        name = group.get("param_names", [None] * len(group["params"]))[i]
+        named = f" ({name!r})" if name is not None else ""
+        return f"param_groups[{gi}]['params'][{i}]{named} with shape {tuple(p.shape)}"
+
+    def _check_params(self, gi: int, group: dict[str, Any], *, explicit: bool) -> None:
+        for i, p in enumerate(group["params"]):
+            if p.is_complex():
+                raise ValueError(
+                    f"{self._param_label(gi, i)} is complex ({p.dtype}); Muon and its AdamW path support real "
+                    "params only: optimize complex params with torch.optim.AdamW, or view them as real "
+                    "(torch.view_as_real) in the model."
+                )
+            if group["use_muon"] and p.ndim < 2:
+                how = "use_muon=True was requested for it" if explicit else "it was routed to Muon"
+                raise ValueError(
+                    f"{self._param_label(gi, i)} is {p.ndim}-D but {how}; Muon orthogonalizes matrices. Put 1-D "
+                    "params (biases, norm gains, scalars) in a group with use_muon=False (AdamW), or build the "
+                    "groups with ragged_optim.optim.muon_param_groups(model)."
+                )
+
+    def _grad_of(self, gi: int, i: int, p: Tensor) -> Tensor | None:
+        grad = p.grad
+        if grad is not None and grad.is_sparse:
+            raise ValueError(
+                f"{self._param_label(gi, i)} has a sparse gradient; Muon and its AdamW path need dense gradients "
+                "(use nn.Embedding(..., sparse=False), or torch.optim.SparseAdam for that param)."
+            )
+        return grad
+
+    # ------------------------------------------------------------------ the seam
+
+    def _matrix_shape(self, p: Tensor) -> tuple[int, int]:
+        """The (m, n) of the matrix (or of each matrix of a stack) that ``p`` is; used for the lr adjustment.
+
+        A sharded subclass overrides this to report the full (unsharded) shape.
+        """
+        if p.ndim == 2 or p.ndim == 3:
+            return int(p.shape[-2]), int(p.shape[-1])
+        if p.ndim >= 4:
+            return int(p.shape[0]), int(math.prod(p.shape[1:]))
+        raise ValueError(f"a {p.ndim}-D tensor of shape {tuple(p.shape)} has no matrix shape")
+
+    @staticmethod
+    def _as_matrices(u: Tensor) -> Tensor:
+        """``u`` as a ``[B, m, n]`` view (B = 1 for a 2-D or flattened conv param, E for a stack)."""
+        if u.ndim == 2:
+            return u.unsqueeze(0)
+        if u.ndim == 3:
+            return u
+        return u.reshape(1, u.shape[0], -1)
+
+    def _local_muon_update(self, p: Tensor, grad: Tensor, group: dict[str, Any]) -> Tensor:
+        """Phase (a): weight decay, momentum and Nesterov, elementwise on ``p`` (whole or a shard)."""
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
+        buf = state["momentum_buffer"]
+        momentum = group["momentum"]
+        buf.lerp_(grad, 1 - momentum)
+        wd = group["weight_decay"]
+        if wd != 0:
+            p.mul_(1 - _scalar(group["lr"]) * wd)
+        return grad.lerp(buf, momentum) if group["nesterov"] else buf
+
+    def _orthogonalize_updates(self, items: list[MuonItem]) -> list[Tensor]:
+        """Phase (b): Newton-Schulz on every update, batched over updates whose matrices share a shape.
+
+        Returns one tensor per item, shaped like ``item.param``. A sharded subclass overrides this to gather each
+        update's matrices whole (or compute local blocks in place) and hand back its shard.
+        """
+        buckets: dict[tuple, list[int]] = {}
+        mats = [self._as_matrices(it.update) for it in items]
+        for i, (it, x) in enumerate(zip(items, mats)):
+            g = it.group
+            key = (
+                tuple(x.shape[-2:]),
+                x.device,
+                x.dtype,
+                g["ns_steps"],
+                tuple(g["ns_coefficients"]),
+                g["eps"],
+                g["ns_dtype"],
+            )
+            buckets.setdefault(key, []).append(i)
+        out: list[Tensor | None] = [None] * len(items)
+        for key, idx in buckets.items():
+            _, _, _, steps, coefficients, eps, dtype = key
+            kw = dict(steps=steps, coefficients=coefficients, eps=eps, dtype=dtype)
+            if len(idx) == 1 and mats[idx[0]].shape[0] == 1:
+                ortho = newton_schulz(mats[idx[0]][0], **kw).unsqueeze(0)
+                pieces = [ortho]
+            else:
+                ortho = newton_schulz(torch.cat([mats[i] for i in idx]), **kw)
+                pieces = list(torch.split(ortho, [mats[i].shape[0] for i in idx]))
+            for i, piece in zip(idx, pieces):
+                out[i] = piece.reshape(items[i].param.shape)
+        return out  # type: ignore[return-value]
+
+    def _apply_muon_update(self, item: MuonItem, ortho: Tensor) -> None:
+        """Phase (c): ``p -= adjusted_lr * ortho`` with the lr adjusted for the param's matrix shape."""
+        g = item.group
+        lr = adjust_lr(_scalar(g["lr"]), g["adjust_lr"], self._matrix_shape(item.param))
+        item.param.add_(ortho, alpha=-lr)
+
+    # ------------------------------------------------------------------ step
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        """One optimizer step; ``closure`` (optional) re-evaluates the model and returns the loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        items: list[MuonItem] = []
+        for gi, group in enumerate(self.param_groups):
+            for i, p in enumerate(group["params"]):
+                grad = self._grad_of(gi, i, p)
+                if grad is None:
+                    continue
+                if group["use_muon"]:
+                    items.append(MuonItem(p, self._local_muon_update(p, grad, group), group))
+                else:
+                    beta1, beta2 = group["betas"]
+                    adamw_update_(
+                        p,
+                        grad,
+                        self.state[p],
+                        lr=_scalar(group["lr"]),
+                        beta1=beta1,
+                        beta2=beta2,
+                        eps=group["eps"],
+                        weight_decay=group["weight_decay"],
+                    )
+        if items:
+            for item, ortho in zip(items, self._orthogonalize_updates(items)):
+                self._apply_muon_update(item, ortho)
+        return loss
