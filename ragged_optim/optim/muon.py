@@ -34,11 +34,13 @@ from ragged_optim.kernels.newton_schulz import (
 
 __all__ = ["Muon", "MuonItem", "adamw_update_", "adjust_lr", "BF16_NS_REL_TOL"]
 
-#: Relative difference ``max|p_bf16 - p_fp32| / max|p_fp32|`` between Muon runs that differ only in the
-#: Newton-Schulz compute dtype (bf16 vs fp32), measured on one process (tests/test_muon_plain.py recomputes it
-#: and asserts it stays below this). Use it as the tolerance when comparing a sharded bf16 run with a one-process
-#: run whose NS batching or reduction order may differ: bf16 NS is only reproducible to about this level.
-BF16_NS_REL_TOL = 2e-2
+#: Tolerance for bf16 Newton-Schulz, relative: ``max|O_bf16 - O_fp32| <= BF16_NS_REL_TOL * max|O_fp32|`` for one
+#: orthogonalized update, and ``max|p_a - p_b| <= BF16_NS_REL_TOL * max|p_b - p_0|`` for params after k Muon steps.
+#: Measured on one process (CPU, torch 2.13) between ns_dtype=bfloat16 and float32: 1.6e-2 .. 3.2e-2 for a single
+#: update over square, tall, wide, 1 x N and N x 1 matrices, 0.8e-2 .. 1.2e-2 for params after 10 steps;
+#: tests/test_muon_plain.py re-measures and asserts both stay under it. Use it where a bf16 run cannot be bitwise
+#: equal to the one-process reference (a different batching or reduction order inside NS).
+BF16_NS_REL_TOL = 5e-2
 
 _ADJUST_LR_MODES = ("original", "match_rms_adamw")
 # Group keys that only mean something for one kind of group; the other kind's groups do not keep them.
@@ -138,6 +140,10 @@ class Muon(torch.optim.Optimizer):
     State: ``momentum_buffer`` for Muon params; ``step``, ``exp_avg``, ``exp_avg_sq`` for AdamW params (torch's
     names). Params whose ``grad`` is None are skipped.
     """
+
+    #: Passed to :func:`newton_schulz` as ``batched_matmul``: False keeps every matrix's result bitwise equal to
+    #: orthogonalizing it alone (and to torch.optim.Muon); True batches same-shape matrices through ``baddbmm``.
+    ns_batched_matmul: bool = False
 
     def __init__(
         self,
@@ -346,7 +352,9 @@ class Muon(torch.optim.Optimizer):
         out: list[Tensor | None] = [None] * len(items)
         for key, idx in buckets.items():
             _, _, _, steps, coefficients, eps, dtype = key
-            kw = dict(steps=steps, coefficients=coefficients, eps=eps, dtype=dtype)
+            kw = dict(
+                steps=steps, coefficients=coefficients, eps=eps, dtype=dtype, batched_matmul=self.ns_batched_matmul
+            )
             if len(idx) == 1 and mats[idx[0]].shape[0] == 1:
                 ortho = newton_schulz(mats[idx[0]][0], **kw).unsqueeze(0)
                 pieces = [ortho]

@@ -108,4 +108,3 @@ def muon_param_groups(
     if adamw:
         groups.append({"params": adamw, "use_muon": False, **adamw_opts})
     return groups
-

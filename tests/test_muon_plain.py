@@ -1,0 +1,355 @@
+"""Single-device Muon: Newton-Schulz, our Muon vs torch.optim.Muon / torch.optim.AdamW, routing, errors."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from ragged_optim.kernels.newton_schulz import newton_schulz
+from torch import nn
+from torch.optim._muon import _zeropower_via_newtonschulz as torch_ns
+
+from ragged_optim.optim import BF16_NS_REL_TOL, Muon, muon_param_groups
+
+SHAPES = [(24, 8), (8, 24), (16, 16), (16, 16), (1, 12), (12, 1), (33, 17)]  # tall, wide, square x2, 1xN, Nx1
+
+
+def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp(min=1e-30)).item()
+
+
+def make_params(shapes, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g, dtype=dtype).requires_grad_() for s in shapes]
+
+
+def clone_params(ps):
+    return [p.detach().clone().requires_grad_() for p in ps]
+
+
+def run_steps(opts, param_lists, steps, seed=1):
+    """Feed the same random grads to every (optimizer, params) pair for ``steps`` steps."""
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        grads = [torch.randn(p.shape, generator=g, dtype=p.dtype) for p in param_lists[0]]
+        for ps in param_lists:
+            for p, gr in zip(ps, grads):
+                p.grad = gr.clone()
+        for o in opts:
+            o.step()
+
+
+# --------------------------------------------------------------------------- Newton-Schulz
+
+
+@pytest.mark.parametrize("shape", SHAPES + [(64, 128), (128, 64)])
+def test_ns_2d_bitwise_equals_torch(shape):
+    G = torch.randn(shape, generator=torch.Generator().manual_seed(3))
+    ours = newton_schulz(G)
+    theirs = torch_ns(G.clone(), (3.4445, -4.7750, 2.0315), 5, 1e-7)
+    assert ours.dtype == G.dtype and theirs.dtype == torch.bfloat16
+    assert torch.equal(ours, theirs.float())
+
+
+def test_ns_does_not_modify_input_and_keeps_dtype():
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        G = torch.randn(2, 6, 4, dtype=dtype)
+        G0 = G.clone()
+        for ns_dtype in (torch.bfloat16, torch.float32):
+            out = newton_schulz(G, dtype=ns_dtype)
+            assert out.dtype == dtype and out.shape == G.shape
+            assert torch.equal(G, G0)
+        out2 = newton_schulz(G[0].clone())  # bf16 2-D input: torch's routine would divide it in place; we don't
+        assert out2.shape == (6, 4)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    batch=st.lists(st.integers(1, 3), min_size=1, max_size=2),
+    m=st.integers(1, 24),
+    n=st.integers(1, 24),
+    fp32=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_ns_batched_equals_per_matrix(batch, m, n, fp32, seed):
+    dtype = torch.float32 if fp32 else torch.bfloat16
+    G = torch.randn(*batch, m, n, generator=torch.Generator().manual_seed(seed))
+    out = newton_schulz(G, dtype=dtype)
+    flat = G.reshape(-1, m, n)
+    each = torch.stack([newton_schulz(x, dtype=dtype) for x in flat]).reshape(G.shape)
+    assert torch.equal(out, each)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_ns_batched_matmul_option_close(dtype):
+    G = torch.randn(4, 3, 20, 9, generator=torch.Generator().manual_seed(4))
+    a = newton_schulz(G, dtype=dtype, batched_matmul=True)
+    b = newton_schulz(G, dtype=dtype)
+    assert rel_diff(a, b) < (BF16_NS_REL_TOL if dtype == torch.bfloat16 else 1e-5)
+
+
+def test_ns_orthogonalizes():
+    G = torch.randn(32, 64, generator=torch.Generator().manual_seed(0))
+    s = torch.linalg.svdvals(newton_schulz(G, dtype=torch.float32))
+    assert s.min() > 0.5 and s.max() < 1.3
+    assert torch.equal(newton_schulz(torch.zeros(4, 3)), torch.zeros(4, 3))
+
+
+# --------------------------------------------------------------------------- vs torch.optim.Muon
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+@pytest.mark.parametrize("adjust_lr", ["original", "match_rms_adamw"])
+def test_matches_torch_muon(nesterov, weight_decay, adjust_lr, capsys):
+    ps = make_params(SHAPES)
+    qs = clone_params(ps)
+    kw = dict(lr=0.02, momentum=0.9, nesterov=nesterov, weight_decay=weight_decay)
+    ours = Muon(ps, adjust_lr=adjust_lr, **kw)
+    theirs = torch.optim.Muon(qs, adjust_lr_fn=adjust_lr, **kw)
+    run_steps([ours, theirs], [ps, qs], steps=6)
+    worst = max(rel_diff(p, q) for p, q in zip(ps, qs))
+    with capsys.disabled():
+        print(f"\n[muon vs torch] nesterov={nesterov} wd={weight_decay} {adjust_lr}: max rel diff {worst:.3g}")
+    # Same op sequence; on CPU the same-shape batch (two 16x16 params) is bitwise equal to torch's per-matrix addmm.
+    for p, q in zip(ps, qs):
+        assert torch.equal(p, q), (tuple(p.shape), rel_diff(p, q))
+    for p, q in zip(ps, qs):
+        assert torch.equal(ours.state[p]["momentum_buffer"], theirs.state[q]["momentum_buffer"])
+
+
+def test_fp32_ns_close_to_torch_and_bf16_tolerance(capsys):
+    """ns_dtype=float32 (torch has no such option) vs torch's bf16: the measured gap is the bf16 NS tolerance."""
+    ps = make_params(SHAPES + [(64, 32)])
+    p0 = [p.detach().clone() for p in ps]
+    qs, rs = clone_params(ps), clone_params(ps)
+    fp32 = Muon(ps, ns_dtype=torch.float32, weight_decay=0.01)
+    bf16 = Muon(rs, weight_decay=0.01)
+    ref = torch.optim.Muon(qs, lr=0.02, weight_decay=0.01)
+    run_steps([fp32, bf16, ref], [ps, qs, rs], steps=10)
+    for r, q in zip(rs, qs):
+        assert torch.equal(r, q)
+    worst = max(((p - q).abs().max() / (p - x).abs().max()).item() for p, q, x in zip(ps, qs, p0))
+    one = max(
+        rel_diff(newton_schulz(G, dtype=torch.bfloat16), newton_schulz(G, dtype=torch.float32))
+        for G in (torch.randn(s, generator=torch.Generator().manual_seed(7)) for s in SHAPES + [(256, 512)])
+    )
+    with capsys.disabled():
+        print(f"\n[bf16 vs fp32 NS] one update: {one:.3g}; params after 10 steps (rel. to displacement): {worst:.3g}")
+    assert 1e-4 < one < BF16_NS_REL_TOL
+    assert worst < BF16_NS_REL_TOL
+
+
+def test_stack_equals_each_matrix_and_conv_equals_flattened():
+    stack = make_params([(3, 12, 5)])[0]
+    mats = [stack.detach()[e].clone().requires_grad_() for e in range(3)]
+    conv = make_params([(6, 2, 3, 3)], seed=5)[0]
+    flat = conv.detach().reshape(6, 18).clone().requires_grad_()
+    o1 = Muon([stack, conv], weight_decay=0.1, adjust_lr="match_rms_adamw")
+    o2 = Muon([*mats, flat], weight_decay=0.1, adjust_lr="match_rms_adamw")
+    g = torch.Generator().manual_seed(2)
+    for _ in range(4):
+        gs = torch.randn(stack.shape, generator=g)
+        gc = torch.randn(conv.shape, generator=g)
+        stack.grad, conv.grad = gs.clone(), gc.clone()
+        for e in range(3):
+            mats[e].grad = gs[e].clone()
+        flat.grad = gc.reshape(6, 18).clone()
+        o1.step()
+        o2.step()
+    assert torch.equal(stack.detach(), torch.stack([m.detach() for m in mats]))
+    assert torch.equal(conv.detach().reshape(6, 18), flat.detach())
+    assert o1._matrix_shape(stack) == (12, 5) and o1._matrix_shape(conv) == (6, 18)
+
+
+# --------------------------------------------------------------------------- AdamW path
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.05])
+def test_adamw_group_equals_torch_adamw(weight_decay):
+    ps = make_params([(7,), (3, 5), (1,), ()])
+    qs = clone_params(ps)
+    hp = dict(lr=1e-3, betas=(0.8, 0.99), eps=1e-8, weight_decay=weight_decay)
+    ours = Muon([{"params": ps, "use_muon": False, **hp}])
+    theirs = torch.optim.AdamW(qs, **hp)
+    run_steps([ours, theirs], [ps, qs], steps=5)
+    for p, q in zip(ps, qs):
+        assert torch.equal(p, q)
+        for k in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(ours.state[p][k], theirs.state[q][k])
+
+
+def test_default_split_by_ndim_uses_adamw_defaults():
+    w, b = make_params([(8, 4), (8,)])
+    w2, b2 = clone_params([w, b])
+    ours = Muon([w, b], lr=0.03, adamw_lr=1e-2, adamw_betas=(0.9, 0.9), adamw_eps=1e-9, adamw_weight_decay=0.1)
+    assert [g["use_muon"] for g in ours.param_groups] == [True, False]
+    assert ours.param_groups[1]["lr"] == 1e-2 and "momentum" not in ours.param_groups[1]
+    ref_m = torch.optim.Muon([w2], lr=0.03, weight_decay=0.0)
+    ref_a = torch.optim.AdamW([b2], lr=1e-2, betas=(0.9, 0.9), eps=1e-9, weight_decay=0.1)
+    run_steps([ours, ref_m, ref_a], [[w, b], [w2, b2]], steps=3)
+    assert torch.equal(w, w2) and torch.equal(b, b2)
+
+
+def test_group_overrides_in_split_group():
+    w, b = make_params([(8, 4), (8,)])
+    opt = Muon([{"params": [w, b], "lr": 0.05, "adamw_lr": 1e-3, "tag": "x"}])
+    muon_g, adam_g = opt.param_groups
+    assert muon_g["lr"] == 0.05 and adam_g["lr"] == 1e-3 and adam_g["eps"] == 1e-10
+    assert muon_g["tag"] == adam_g["tag"] == "x"
+
+
+# --------------------------------------------------------------------------- machinery
+
+
+def test_no_grad_params_skipped():
+    w, v, b = make_params([(8, 4), (4, 4), (3,)])
+    v0 = v.detach().clone()
+    opt = Muon([w, v, b])
+    w.grad = torch.randn_like(w)
+    opt.step()
+    assert torch.equal(v, v0) and v not in opt.state and b not in opt.state and w in opt.state
+
+
+def test_state_dict_roundtrip_and_scheduler():
+    ps = make_params([(8, 4), (6,), (4, 4, 2)])
+    qs = clone_params(ps)
+    full = Muon(ps, weight_decay=0.1)
+    run_steps([full], [ps], steps=4, seed=9)
+
+    part = Muon(qs, weight_decay=0.1)
+    g = torch.Generator().manual_seed(9)
+    for k in range(4):
+        grads = [torch.randn(p.shape, generator=g) for p in qs]
+        for q, gr in zip(qs, grads):
+            q.grad = gr
+        part.step()
+        if k == 1:  # save, rebuild, reload in the middle
+            sd = copy.deepcopy(part.state_dict())
+            part = Muon(qs, lr=1.0, weight_decay=0.5)
+            part.load_state_dict(sd)
+            assert part.param_groups[0]["lr"] == 0.02 and part.param_groups[0]["weight_decay"] == 0.1
+    for p, q in zip(ps, qs):
+        assert torch.equal(p, q)
+
+    sched = torch.optim.lr_scheduler.StepLR(full, step_size=1, gamma=0.5)
+    lrs = [g["lr"] for g in full.param_groups]
+    run_steps([full], [ps], steps=1)
+    sched.step()
+    assert [g["lr"] for g in full.param_groups] == [x * 0.5 for x in lrs]
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def test_errors_name_the_param_and_the_fix():
+    w, b = make_params([(4, 4), (4,)])
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[1\] with shape \(4,\).*use_muon=False"):
+        Muon([{"params": [w, b], "use_muon": True}])
+    with pytest.raises(ValueError, match=r"'bias'.*1-D"):
+        Muon([{"params": [("weight", w), ("bias", b)], "use_muon": True}])
+    c = torch.randn(4, 4, dtype=torch.complex64, requires_grad=True)
+    with pytest.raises(ValueError, match=r"complex.*torch.optim.AdamW"):
+        Muon([c])
+    with pytest.raises(ValueError, match="adjust_lr"):
+        Muon([w], adjust_lr="bogus")
+    with pytest.raises(ValueError, match="momentum"):
+        Muon([w], momentum=1.5)
+    with pytest.raises(TypeError, match="list"):
+        Muon([{"params": {w}}])
+    opt = Muon([w, b])
+    w.grad = torch.randn(4, 4).to_sparse()
+    with pytest.raises(ValueError, match=r"\['params'\]\[0\] with shape \(4, 4\) has a sparse gradient.*sparse=False"):
+        opt.step()
+    emb = nn.Embedding(10, 4, sparse=True)
+    opt = Muon([{"params": emb.parameters(), "use_muon": False}])
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(ValueError, match="sparse gradient"):
+        opt.step()
+    # a failed add_param_group leaves the optimizer unchanged
+    opt = Muon([w])
+    with pytest.raises(ValueError):
+        opt.add_param_group({"params": [b], "use_muon": True})
+    assert len(opt.param_groups) == 1
+
+
+# --------------------------------------------------------------------------- routing
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d, bias=False)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, 4 * d)
+        self.out = nn.Linear(4 * d, d)
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, vocab=50, d=16, layers=2, tie=True, head_name="lm_head"):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.wpe = nn.Embedding(32, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+        setattr(self, head_name, nn.Linear(d, vocab, bias=False))
+        if tie:
+            getattr(self, head_name).weight = self.wte.weight
+
+    def forward(self, idx):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        for blk in self.blocks:
+            x = x + blk.proj(blk.qkv(blk.ln1(x))[..., : x.shape[-1]])
+            x = x + blk.out(torch.relu(blk.fc(blk.ln2(x))))
+        return self.lm_head(self.ln_f(x))
+
+
+def _names(model, params):
+    ids = {id(p) for p in params}
+    return {n for n, p in model.named_parameters() if id(p) in ids}
+
+
+def test_muon_param_groups_tiny_gpt():
+    model = TinyGPT()
+    groups = muon_param_groups(model, lr=0.01, weight_decay=0.1, adamw_lr=1e-3, adamw_betas=(0.9, 0.99))
+    muon, adamw = groups
+    assert muon["use_muon"] and not adamw["use_muon"]
+    assert muon["lr"] == 0.01 and muon["weight_decay"] == 0.1 and adamw["lr"] == 1e-3 and adamw["betas"] == (0.9, 0.99)
+    expected_muon = {f"blocks.{i}.{m}.weight" for i in range(2) for m in ("qkv", "proj", "fc", "out")}
+    assert _names(model, muon["params"]) == expected_muon
+    assert "wte.weight" in _names(model, adamw["params"]) and "wpe.weight" in _names(model, adamw["params"])
+    all_params = muon["params"] + adamw["params"]
+    assert len(all_params) == len({id(p) for p in all_params}) == len(list(model.parameters()))  # tied once
+
+    opt = Muon(groups)
+    loss = model(torch.randint(0, 50, (2, 8))).logsumexp(-1).mean()
+    loss.backward()
+    opt.step()
+
+
+def test_muon_param_groups_head_rules_and_exclude():
+    untied = TinyGPT(tie=False)
+    _, adamw = muon_param_groups(untied)
+    assert "lm_head.weight" in _names(untied, adamw["params"])
+
+    class Odd(nn.Module):  # untied head under another name: caught as the last Linear with out_features == vocab
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(40, 8)
+            self.hidden = nn.Linear(8, 8)
+            self.to_vocab = nn.Linear(8, 40)
+
+    odd = Odd()
+    muon, adamw = muon_param_groups(odd)
+    assert muon["params"] == [odd.hidden.weight]
+    assert "to_vocab.weight" in _names(odd, adamw["params"])
+    for exclude in (["hidden.weight"], ["hidden"], [odd.hidden], [odd.hidden.weight]):
+        (only,) = muon_param_groups(odd, exclude=exclude)  # empty Muon group left out
+        assert only["use_muon"] is False and len(only["params"]) == 5
+    with pytest.raises(ValueError, match="neither a param nor a module"):
+        muon_param_groups(odd, exclude=["nope"])
