@@ -8,7 +8,10 @@ import sys
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ragged-optim", description=__doc__)
-    parser.add_subparsers(dest="command", required=True)
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    from ragged_optim import plan_cmd
+
+    plan_cmd.add_parser(subparsers)
     return parser
 
 

@@ -1,0 +1,213 @@
+"""`ragged-optim plan`: plan every FSDP unit of a model and report padding, split blocks and balance.
+
+Block specs from ``--optimizer`` and ``--granularity G``:
+
+- default / ``adamw8bit``: runs of G elements of every tensor (8-bit Adam quantization blocks);
+  without ``--optimizer``: bands of G rows for matrices, runs of G elements for 1-D tensors;
+- ``shampoo``: bands of G rows (B x B tiles live inside a band);
+- ``muon``: hidden matrices (ndim >= 2, not an embedding, head or bias) are whole owner-computed matrices,
+  everything else runs of G elements.
+
+``fsdp2_padding_ratio`` models FSDP2's ``Shard(0)`` for the same constraint, per parameter: dim 0 is padded to a
+multiple of ``W * G`` (``torch.chunk`` pads to ``ceil(d0 / W)`` rows per rank, and keeping G-row blocks whole on a
+rank needs a multiple of G rows per rank). For 3-D expert stacks dim 0 is the expert index (every slice is whole
+matrices), so it is padded to a multiple of W; owner-computed (Muon) matrices likewise take only ``Shard(0)`` padding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import sys
+import time
+
+import numpy as np
+
+from ragged_optim.sharding.catalog import model_names, model_units, units_from_module
+from ragged_optim.sharding.layout import BlockSpec
+from ragged_optim.sharding.planner import TensorSpec, layout_stats, owner_compute_loads, plan_unit, rank_loads
+
+OPTIMIZERS = ("muon", "shampoo", "adamw8bit")
+
+
+def _is_hidden_matrix(name: str, shape) -> bool:
+    low = name.lower()
+    return len(shape) >= 2 and "embed" not in low and "lm_head" not in low and not low.endswith("bias")
+
+
+def block_spec(name: str, shape, g: int, optimizer: str | None) -> BlockSpec:
+    numel = math.prod(shape)
+    if optimizer == "muon":
+        if _is_hidden_matrix(name, shape):
+            return BlockSpec.matrices(shape)
+        return BlockSpec.elements(g, numel)
+    if optimizer == "adamw8bit":
+        return BlockSpec.elements(g, numel)
+    return BlockSpec.rows(g, shape)
+
+
+def fsdp2_padded(shape, spec: BlockSpec, g: int, world_size: int) -> int:
+    """Elements FSDP2 Shard(0) would allocate for one parameter under the same block constraint."""
+    if not shape:
+        return world_size  # a scalar: one element per rank
+    d0, rest = shape[0], math.prod(shape[1:])
+    if spec.owner_computed or len(shape) >= 3:
+        mult = world_size
+    elif len(shape) == 2 and spec.block < spec.period and spec.block % max(1, shape[1]) == 0:
+        mult = world_size * (spec.block // shape[1])  # G-row bands
+    elif len(shape) == 2 and spec.block >= spec.period:
+        mult = world_size
+    elif len(shape) == 2:
+        mult = world_size * math.lcm(spec.block, rest) // rest  # element runs across rows
+    else:
+        mult = world_size * spec.block
+    return -(-d0 // mult) * mult * rest
+
+
+def _load_units(args):
+    if args.module:
+        mod_name, _, factory = args.module.partition(":")
+        if not mod_name or not factory:
+            raise ValueError(f"--module must look like pkg.mod:factory, got {args.module!r}")
+        import torch
+
+        fn = getattr(importlib.import_module(mod_name), factory)
+        with torch.device("meta"):
+            module = fn()
+        return args.module, units_from_module(module)
+    if not args.model:
+        raise ValueError(f"pass --model NAME (known models: {', '.join(model_names())}) or --module pkg.mod:factory")
+    return args.model, model_units(args.model)
+
+
+def run_plan(args) -> dict:
+    """Plan all units; returns the summary dict (the --json object) plus per-unit rows under '_rows'."""
+    name, units = _load_units(args)
+    W, g = args.world_size, args.granularity
+    total = padded = split_blocks = split_elems = 0
+    fsdp2_total = 0
+    loads = np.zeros(W, dtype=np.float64)
+    comp = np.zeros(W, dtype=np.float64)
+    rows: dict[tuple, dict] = {}
+    t_plan = 0.0
+    for unit in units:
+        tensors = [TensorSpec(n, tuple(s), args.itemsize, block_spec(n, s, g, args.optimizer)) for n, s in unit.params]
+        t0 = time.perf_counter()
+        layout = plan_unit(tensors, W, alignment=args.alignment, allow_split=not args.no_split)
+        dt = time.perf_counter() - t0
+        t_plan += dt
+        st = layout_stats(layout)
+        f2 = sum(fsdp2_padded(t.shape, t.spec, g, W) - math.prod(t.shape) for t in tensors)
+        total += st["total_elements"]
+        padded += st["padded_elements"]
+        split_blocks += st["split_blocks"]
+        split_elems += st["split_elements"]
+        fsdp2_total += f2
+        loads += rank_loads(layout)
+        comp += owner_compute_loads(layout)
+        key = tuple((s, t.spec) for (_, s), t in zip(unit.params, tensors))
+        row = rows.get(key)
+        if row is None:
+            rows[key] = row = dict(
+                st, unit=unit.name, count=0, seconds=0.0, fsdp2_padding_ratio=f2 / st["total_elements"]
+            )
+        row["count"] += 1
+        row["seconds"] += dt
+    mean = total / W
+    cmean = comp.sum() / W
+    summary = {
+        "model": name,
+        "world_size": W,
+        "granularity": g,
+        "total_elements": int(total),
+        "padded_elements": int(padded),
+        "padding_ratio": padded / total,
+        "split_blocks": int(split_blocks),
+        "split_bytes_ratio": split_elems / total,
+        "fsdp2_padding_ratio": fsdp2_total / total,
+        "max_over_mean_load": float(loads.max() / mean),
+        "owner_compute_max_over_mean": float(comp.max() / cmean) if cmean > 0 else None,
+        "plan_seconds": t_plan,
+    }
+    summary["_rows"] = list(rows.values())
+    return summary
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{100 * x:.2f}%"
+
+
+def _ratio(x) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def print_table(summary: dict, itemsize: int, out=None) -> None:
+    out = out or sys.stdout
+    head = (
+        f"{'unit':<14}{'x':>4}{'S (elems)':>14}{'padding':>10}{'fsdp2 pad':>11}{'split blk':>10}"
+        f"{'split bytes':>13}{'split %':>9}{'load max/mean':>15}{'NS max/mean':>13}{'seconds':>9}"
+    )
+    print(
+        f"model {summary['model']}  world_size {summary['world_size']}  granularity {summary['granularity']}",
+        file=out,
+    )
+    print(head, file=out)
+    for r in summary["_rows"]:
+        print(
+            f"{r['unit']:<14}{r['count']:>4}{r['shard_size']:>14}{_pct(r['padding_ratio']):>10}"
+            f"{_pct(r['fsdp2_padding_ratio']):>11}{r['split_blocks']:>10}{r['split_elements'] * itemsize:>13}"
+            f"{_pct(r['split_bytes_ratio']):>9}{_ratio(r['load_max_over_mean']):>15}"
+            f"{_ratio(r['owner_compute_max_over_mean']):>13}{r['seconds']:>9.3f}",
+            file=out,
+        )
+    s = summary
+    split_bytes = round(s["split_bytes_ratio"] * s["total_elements"]) * itemsize
+    print(
+        f"{'all units':<14}{sum(r['count'] for r in s['_rows']):>4}{'':>14}{_pct(s['padding_ratio']):>10}"
+        f"{_pct(s['fsdp2_padding_ratio']):>11}{s['split_blocks']:>10}{split_bytes:>13}"
+        f"{_pct(s['split_bytes_ratio']):>9}{_ratio(s['max_over_mean_load']):>15}"
+        f"{_ratio(s['owner_compute_max_over_mean']):>13}{s['plan_seconds']:>9.3f}",
+        file=out,
+    )
+    print(f"overhead (padding + split bytes): {_pct(s['padding_ratio'] + s['split_bytes_ratio'])}", file=out)
+
+
+def cmd_plan(args) -> int:
+    if args.world_size < 1:
+        print(f"error: --world-size must be >= 1, got {args.world_size}", file=sys.stderr)
+        return 2
+    if args.granularity < 1:
+        print(f"error: --granularity must be >= 1, got {args.granularity}", file=sys.stderr)
+        return 2
+    try:
+        summary = run_plan(args)
+    except (ValueError, ImportError, AttributeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({k: v for k, v in summary.items() if not k.startswith("_")}))
+    else:
+        print_table(summary, args.itemsize)
+    return 0
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "plan",
+        help="plan the RaggedShard layout of a model and report padding, split blocks and balance",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", help=f"catalog model: {', '.join(model_names())}")
+    p.add_argument("--module", help="pkg.mod:factory building an nn.Module (called on the meta device)")
+    p.add_argument("--world-size", type=int, required=True, help="number of ranks W")
+    p.add_argument("--granularity", type=int, default=1, help="G: rows for matrices, elements for 1-D tensors")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default=None, help="block specs as that optimizer needs")
+    p.add_argument("--no-split", action="store_true", help="never split a block: pad instead")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--itemsize", type=int, default=4, help="bytes per element (default 4)")
+    p.add_argument("--alignment", type=int, default=16, help="collective alignment in bytes (default 16)")
+    p.set_defaults(func=cmd_plan)
+    return p
