@@ -1,1 +1,21 @@
-"""Compute kernels (no distributed code): block quantization, fused 8-bit AdamW, Newton-Schulz."""
+"""Compute kernels (no distributed code): block quantization, fused 8-bit AdamW, Newton-Schulz.
+
+Every kernel has a plain-torch reference and a Triton implementation; CUDA tensors take Triton, CPU tensors the
+reference (``impl=`` overrides). Triton is imported lazily, so this package imports where Triton cannot run.
+"""
+
+from .adamw8bit import adamw8bit_constants, adamw8bit_step, init_adamw8bit_state
+from .blockwise import code_dtype, dequantize_blockwise, num_blocks, quantize_blockwise
+from .qmaps import FORMATS, dynamic_tables
+
+__all__ = [
+    "FORMATS",
+    "adamw8bit_constants",
+    "adamw8bit_step",
+    "code_dtype",
+    "dequantize_blockwise",
+    "dynamic_tables",
+    "init_adamw8bit_state",
+    "num_blocks",
+    "quantize_blockwise",
+]

@@ -1,0 +1,104 @@
+"""Public fused 8-bit AdamW step with device dispatch (CUDA tensors -> Triton, others -> torch reference).
+
+State layout per param chunk of ``numel`` elements in blocks of ``block_size`` (last block may be short):
+``m_codes``/``v_codes`` uint8 (numel,), ``m_scales``/``v_scales`` fp32 (num_blocks,). First moment in the signed
+dynamic map, second in the unsigned one. Everything is updated in place. A block's result depends only on that
+block's data, so any run of whole blocks can be stepped on its own (sharded == unsharded, bit for bit).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .adamw8bit_ref import adamw8bit_ref
+from .blockwise import check_block_size, choose_impl, num_blocks
+
+
+def _f32(x: float) -> float:
+    return float(torch.tensor(x, dtype=torch.float32).item())
+
+
+def adamw8bit_constants(
+    step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float
+) -> tuple[float, ...]:
+    """The fp32 constants of one step, computed in float64 on the host and rounded once:
+    (decay, b1, 1-b1, b2, 1-b2, 1/sqrt(1-b2**step), eps, lr/(1-b1**step))."""
+    if step < 1:
+        raise ValueError(f"step counts from 1, got {step}")
+    bc1 = 1.0 - beta1**step
+    bc2 = 1.0 - beta2**step
+    vals = (1.0 - lr * weight_decay, beta1, 1.0 - beta1, beta2, 1.0 - beta2, 1.0 / math.sqrt(bc2), eps, lr / bc1)
+    return tuple(_f32(v) for v in vals)
+
+
+def init_adamw8bit_state(numel: int, block_size: int, device=None) -> dict[str, torch.Tensor]:
+    """Zero state (both moments exactly 0) for a chunk of ``numel`` elements."""
+    nb = num_blocks(numel, block_size)
+    s = torch.zeros(nb, dtype=torch.float32, device=device)
+    return {
+        # code 0 of the unsigned map is 0.0; for the signed map the zero code is found by quantizing 0
+        "m_codes": torch.full((numel,), _signed_zero_code(), dtype=torch.uint8, device=device),
+        "m_scales": s,
+        "v_codes": torch.zeros(numel, dtype=torch.uint8, device=device),
+        "v_scales": s.clone(),
+    }
+
+
+def _signed_zero_code() -> int:
+    from .qmaps import dynamic_tables, nearest_code
+
+    return int(nearest_code(torch.zeros(1), dynamic_tables("dynamic")).item())
+
+
+def adamw8bit_step(
+    p: torch.Tensor,
+    g: torch.Tensor,
+    m_codes: torch.Tensor,
+    m_scales: torch.Tensor,
+    v_codes: torch.Tensor,
+    v_scales: torch.Tensor,
+    *,
+    step: int,
+    lr: float,
+    beta1: float = 0.9,
+    beta2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    block_size: int = 256,
+    impl: str | None = None,
+) -> None:
+    """One AdamW step on a contiguous run of whole blocks, in place on ``p`` and the four state tensors.
+
+    ``p`` fp32, ``g`` fp32/bf16/fp16 (same numel), ``step`` is the 1-based step count after this update. Update
+    (decoupled weight decay): ``p *= 1 - lr*wd; m = b1*m + (1-b1)*g; v = b2*v + (1-b2)*g*g;
+    p -= lr/(1-b1**t) * m / (sqrt(v)/sqrt(1-b2**t) + eps)``, then both moments are requantized per block."""
+    check_block_size(block_size)
+    n = p.numel()
+    nb = num_blocks(n, block_size)
+    if p.dtype != torch.float32:
+        raise ValueError(f"adamw8bit_step needs an fp32 param chunk, got {p.dtype}")
+    if g.numel() != n or not g.is_floating_point():
+        raise ValueError(f"grad must be a floating tensor of {n} elements, got {g.dtype} with {g.numel()}")
+    for name, t, dt, size in (
+        ("p", p, torch.float32, n),
+        ("g", g, g.dtype, n),
+        ("m_codes", m_codes, torch.uint8, n),
+        ("v_codes", v_codes, torch.uint8, n),
+        ("m_scales", m_scales, torch.float32, nb),
+        ("v_scales", v_scales, torch.float32, nb),
+    ):
+        if t.dtype != dt or t.numel() != size or not t.is_contiguous() or t.device != p.device:
+            raise ValueError(
+                f"{name} must be a contiguous {dt} tensor of {size} elements on {p.device} "
+                f"(block_size={block_size}), got {t.dtype} {tuple(t.shape)} on {t.device}"
+            )
+    consts = adamw8bit_constants(step, lr, beta1, beta2, eps, weight_decay)
+    args = (p.view(-1), g.view(-1), m_codes.view(-1), m_scales, v_codes.view(-1), v_scales, block_size, consts)
+    if choose_impl(p, impl) == "triton":
+        from .adamw8bit_triton import adamw8bit_triton
+
+        adamw8bit_triton(*args)
+    else:
+        adamw8bit_ref(*args)
