@@ -353,3 +353,26 @@ def test_muon_param_groups_head_rules_and_exclude():
         assert only["use_muon"] is False and len(only["params"]) == 5
     with pytest.raises(ValueError, match="neither a param nor a module"):
         muon_param_groups(odd, exclude=["nope"])
+
+
+def test_seam_one_orthogonalize_call_per_step_and_batched_matmul_option(capsys):
+    calls = []
+
+    class Recording(Muon):
+        ns_batched_matmul = True
+
+        def _orthogonalize_updates(self, items):
+            calls.append([tuple(it.param.shape) for it in items])
+            assert all(it.update.shape == it.param.shape for it in items)
+            return super()._orthogonalize_updates(items)
+
+    ps = make_params(SHAPES)
+    qs = clone_params(ps)
+    ours = Recording([{"params": ps[:3], "use_muon": True}, {"params": ps[3:], "use_muon": True, "lr": 0.02}])
+    theirs = torch.optim.Muon(qs, lr=0.02, weight_decay=0.0)
+    run_steps([ours, theirs], [ps, qs], steps=3)
+    assert calls == [[tuple(s) for s in SHAPES]] * 3  # all groups in one call per step
+    worst = max(rel_diff(p, q) for p, q in zip(ps, qs))
+    with capsys.disabled():
+        print(f"\n[muon vs torch, ns_batched_matmul=True] max rel diff {worst:.3g}")
+    assert worst < 1e-3
