@@ -66,7 +66,7 @@ def test_ns_does_not_modify_input_and_keeps_dtype():
         assert out2.shape == (6, 4)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(
     batch=st.lists(st.integers(1, 3), min_size=1, max_size=2),
     m=st.integers(1, 24),
