@@ -91,11 +91,14 @@ def run_plan(args) -> dict:
     loads = np.zeros(W, dtype=np.float64)
     comp = np.zeros(W, dtype=np.float64)
     rows: dict[tuple, dict] = {}
+    running_compute = np.zeros(W, dtype=np.float64)  # owners balanced over all units (one Muon step does them all)
     t_plan = 0.0
     for unit in units:
         tensors = [TensorSpec(n, tuple(s), args.itemsize, block_spec(n, s, g, args.optimizer)) for n, s in unit.params]
         t0 = time.perf_counter()
-        layout = plan_unit(tensors, W, alignment=args.alignment, allow_split=not args.no_split)
+        layout = plan_unit(
+            tensors, W, alignment=args.alignment, allow_split=not args.no_split, compute_load=running_compute
+        )
         dt = time.perf_counter() - t0
         t_plan += dt
         st = layout_stats(layout)

@@ -155,8 +155,8 @@ def _cost_at(start: int, it: _Item, S: int) -> int:
     """Split elements when the tensor starts at ``start``: closed form for regular specs, else one value per cut."""
     k0 = start // S + 1
     k1 = (start + it.n - 1) // S
-    if k1 < k0:
-        return 0
+    if k1 < k0 or not it.local:
+        return 0  # owner-computed blocks are gathered whole wherever they lie: cuts cost no split bytes
     if k1 - k0 < 8:
         return sum(_cut_cost(k * S - start, it) for k in range(k0, k1 + 1))
     if it.regular:
@@ -362,32 +362,25 @@ def _holder(off: int, a: int, b: int, S: int) -> int:
     return r0 if first >= hi - r1 * S else r1
 
 
-def _owned_blocks(items_all, shapes, S, W, offsets):
+def _owned_blocks(items_all: list[_Item], S: int, offsets: list[int]):
+    """Split blocks (owner: the rank holding most of the block) and every owner-computed block (owner provisional,
+    set by _assign_owners)."""
     owned: list[list[OwnedBlock]] = [[] for _ in items_all]
-    comp = []  # (cost, tensor index, start, end, holder)
-    for i, (it, shape) in enumerate(zip(items_all, shapes)):
+    for i, it in enumerate(items_all):
         n, off = it.n, offsets[i]
         if n == 0:
             continue
         if not it.local:
-            m, c = _matrix_dims(shape, min(it.b, n))
             for base in range(0, n, it.p):
                 pend = min(base + it.p, n)
-                for a in range(base, pend, it.b):
-                    b = min(a + it.b, pend)
-                    if (b - a) != it.b:
-                        mm, cc = _matrix_dims(shape, b - a)
-                    else:
-                        mm, cc = m, c
-                    comp.append((float(mm) * cc * min(mm, cc), i, a, b, _holder(off, a, b, S)))
+                owned[i].extend(OwnedBlock(a, min(a + it.b, pend), -1, False) for a in range(base, pend, it.b))
             continue
         k0, k1 = off // S + 1, (off + n - 1) // S
         if k1 < k0:
             continue
         p = np.arange(k0, k1 + 1, dtype=np.int64) * S - off
-        cost = _cut_costs_np(p, it)
         last = -1
-        for pos in p[cost > 0].tolist():
+        for pos in p[_cut_costs_np(p, it) > 0].tolist():
             r = pos % it.p
             bs = pos - r % it.b
             be = min(bs + it.b, pos - r + it.p, n)
@@ -395,27 +388,50 @@ def _owned_blocks(items_all, shapes, S, W, offsets):
                 continue  # a block larger than S: one entry
             last = bs
             owned[i].append(OwnedBlock(bs, be, _holder(off, bs, be, S), True))
-    if comp:
-        total = sum(c[0] for c in comp)
-        cap = max(total / W, max(c[0] for c in comp)) * (1 + _OWNER_SLACK)
-        load = [0.0] * W
-        heap = [(0.0, r) for r in range(W)]
-        comp.sort(key=lambda c: (-c[0], c[1], c[2]))
-        for cost, i, a, b, h in comp:
-            if load[h] + cost <= cap:
-                owner = h
-            else:
-                while True:
-                    lv, r = heapq.heappop(heap)
-                    if lv == load[r]:
-                        break
-                owner = r
-            load[owner] += cost
-            heapq.heappush(heap, (load[owner], owner))
-            owned[i].append(OwnedBlock(a, b, owner, False))
-        for lst in owned:
-            lst.sort(key=lambda o: o.start)
     return tuple(tuple(x) for x in owned)
+
+
+def _ns_cost(shape: tuple[int, ...], numel: int) -> float:
+    m, n = _matrix_dims(shape, numel)
+    return float(m) * n * min(m, n)
+
+
+def _assign_owners(layout: Layout, load: np.ndarray) -> Layout:
+    """Owners of the owner-computed blocks: LPT on Newton-Schulz cost over ranks already carrying ``load``
+    (updated in place), preferring the rank holding the largest piece while it stays under the balanced cap."""
+    S, W = layout.shard_size, layout.world_size
+    comp = []
+    for i, (shape, spec, blocks) in enumerate(zip(layout.shapes, layout.specs, layout.owned_blocks)):
+        if spec.owner_computed:
+            off = layout.offsets[i]
+            comp.extend(
+                (_ns_cost(shape, b.end - b.start), i, b.start, b.end, _holder(off, b.start, b.end, S)) for b in blocks
+            )
+    if not comp:
+        return layout
+    total = sum(c[0] for c in comp)
+    cap = max((float(load.sum()) + total) / W, max(c[0] for c in comp)) * (1 + _OWNER_SLACK)
+    heap = [(float(v), r) for r, v in enumerate(load.tolist())]
+    heapq.heapify(heap)
+    comp.sort(key=lambda c: (-c[0], c[1], c[2]))
+    owners: dict[tuple[int, int], int] = {}
+    for cost, i, a, _b, h in comp:
+        if load[h] + cost <= cap:
+            owner = h
+        else:
+            while True:
+                lv, r = heapq.heappop(heap)
+                if lv == load[r]:
+                    break
+            owner = r
+        load[owner] += cost
+        heapq.heappush(heap, (float(load[owner]), owner))
+        owners[(i, a)] = owner
+    owned = tuple(
+        tuple(OwnedBlock(b.start, b.end, owners[(i, b.start)], False) if spec.owner_computed else b for b in blocks)
+        for i, (spec, blocks) in enumerate(zip(layout.specs, layout.owned_blocks))
+    )
+    return dataclasses.replace(layout, owned_blocks=owned)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -429,8 +445,14 @@ def plan_unit(
     alignment: int = 16,
     allow_split: bool = True,
     split_weight: float = 1.0,
+    compute_load: np.ndarray | None = None,
 ) -> Layout:
-    """Plan one FSDP unit: choose S and tensor offsets, mark split blocks, assign owners. See the module doc."""
+    """Plan one FSDP unit: choose S and tensor offsets, mark split blocks, assign owners. See the module doc.
+
+    ``compute_load`` (optional, float array of ``world_size``): owner compute already placed on each rank by earlier
+    units of the same model. Owners are then balanced on top of it and it is updated in place, so identical layers
+    spread their matrices over all ranks instead of repeating one assignment.
+    """
     tensors = list(tensors)
     itemsize = _validate(tensors, world_size, alignment, split_weight)
     key = (
@@ -442,14 +464,19 @@ def plan_unit(
         float(split_weight),
     )
     names = tuple(t.name for t in tensors)
-    hit = _CACHE.get(key)
-    if hit is not None:
-        return dataclasses.replace(hit, names=names)
-    layout = _plan(tensors, world_size, itemsize, alignment, allow_split, split_weight)
-    if len(_CACHE) >= _CACHE_MAX:
-        _CACHE.clear()
-    _CACHE[key] = layout
-    return layout
+    if compute_load is not None and np.shape(compute_load) != (world_size,):
+        raise ValueError(
+            f"compute_load must have shape ({world_size},) (one value per rank), got {np.shape(compute_load)}"
+        )
+    layout = _CACHE.get(key)
+    if layout is None:
+        layout = _plan(tensors, world_size, itemsize, alignment, allow_split, split_weight)
+        if len(_CACHE) >= _CACHE_MAX:
+            _CACHE.clear()
+        _CACHE[key] = layout
+    if compute_load is not None:
+        layout = _assign_owners(layout, compute_load)
+    return dataclasses.replace(layout, names=names)
 
 
 def _plan(tensors, W, itemsize, alignment, allow_split, split_weight) -> Layout:
@@ -482,8 +509,9 @@ def _plan(tensors, W, itemsize, alignment, allow_split, split_weight) -> Layout:
             cur = offsets[i] + numels[i]
         else:
             offsets[i] = min(_align_up(cur, q), last_aligned)
-    owned = _owned_blocks(items_all, shapes, S, W, offsets)
-    return Layout(W, S, itemsize, tuple(t.name for t in tensors), shapes, specs, tuple(offsets), owned)
+    owned = _owned_blocks(items_all, S, offsets)
+    layout = Layout(W, S, itemsize, tuple(t.name for t in tensors), shapes, specs, tuple(offsets), owned)
+    return _assign_owners(layout, np.zeros(W))
 
 
 def rank_loads(layout: Layout) -> np.ndarray:
@@ -510,8 +538,7 @@ def owner_compute_loads(layout: Layout) -> np.ndarray:
         if not spec.owner_computed:
             continue
         for ob in blocks:
-            m, n = _matrix_dims(tuple(shape), ob.end - ob.start)
-            load[ob.owner] += float(m) * n * min(m, n)
+            load[ob.owner] += _ns_cost(tuple(shape), ob.end - ob.start)
     return load
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -158,6 +159,33 @@ def test_whole_matrices_are_owned_where_they_lie(W, k, r, c):
             assert ob.owner == holders[0]
     # Equal costs: the holder preference never overloads a rank beyond k matrices, the balanced maximum.
     assert layout_stats(layout)["owner_compute_max_over_mean"] == pytest.approx(1.0)
+
+
+def test_owner_computed_cuts_cost_nothing():
+    # Muon-style unit: matrices are owner computed, so S stays at the lower bound whatever the cuts.
+    shapes = [(512, 256), (64, 256), (64, 256), (256, 512), (1792, 256), (1792, 256), (256, 1792)]
+    ts = [TensorSpec(f"m{j}", s, 4, BlockSpec.matrices(s)) for j, s in enumerate(shapes)]
+    ts += [TensorSpec("norm", (256,), 4, BlockSpec.elements(16, 256))]
+    for W in (8, 64, 1000):
+        layout = plan_unit(ts, W)
+        check_layout(layout, ts, W, 16, True)
+        lower_bound = math.ceil(sum(layout.numels) / W / 4) * 4  # 16-byte aligned S of 4-byte elements
+        assert layout.shard_size == lower_bound
+
+
+def test_compute_load_balances_repeated_units():
+    # 7 matrices per layer, 16 ranks: alone a layer leaves ranks idle; with compute_load the layers fill them in.
+    shapes = [(64, 64), (16, 64), (16, 64), (64, 64), (224, 64), (224, 64), (64, 224)]
+    load = np.zeros(16)
+    for layer in range(40):
+        ts = [TensorSpec(f"l{layer}.m{j}", s, 4, BlockSpec.matrices(s)) for j, s in enumerate(shapes)]
+        layout = plan_unit(ts, 16, compute_load=load)
+        check_layout(layout, ts, 16, 16, True)
+    assert load.max() / load.mean() < 1.1
+    single = plan_unit(ts, 16)
+    assert layout_stats(single)["owner_compute_max_over_mean"] > 3
+    with pytest.raises(ValueError, match=r"compute_load must have shape \(16,\)"):
+        plan_unit(ts, 16, compute_load=np.zeros(3))
 
 
 def test_expert_stack_blocks_do_not_cross_matrices():
