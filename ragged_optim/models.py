@@ -106,10 +106,21 @@ class GPT(nn.Module):
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.ln_f = nn.LayerNorm(cfg.d_model, bias=cfg.ln_bias)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        if cfg.tie_embeddings:
-            self.head.weight = self.tok_emb.weight
+        self.tie_weights()
         if seed is not None and not self.tok_emb.weight.is_meta:
             self.init_weights(seed)
+
+    def tie_weights(self) -> None:
+        """Share the token embedding with the output head (``tie_embeddings``); ``to_empty`` unties them."""
+        if self.config.tie_embeddings:
+            self.head.weight = self.tok_emb.weight
+
+    def materialize(self, device: str | torch.device = "cpu", seed: int = 0) -> GPT:
+        """Allocate a meta-built model on ``device``, re-tie the embeddings and initialise from ``seed``."""
+        self.to_empty(device=device)
+        self.tie_weights()
+        self.init_weights(seed)
+        return self
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
@@ -155,7 +166,7 @@ def num_params(model: nn.Module) -> int:
 
 def build_model(preset: str | GPTConfig = "small", seed: int = 0, device: str | torch.device = "cpu") -> GPT:
     """Build a GPT from a preset name or config. On ``device='meta'`` nothing is allocated or initialised;
-    materialise later with ``model.to_empty(device=...)`` then ``model.init_weights(seed)``."""
+    materialise later with ``model.materialize(device, seed)``."""
     cfg = preset if isinstance(preset, GPTConfig) else get_config(preset)
     with torch.device(device):
         model = GPT(cfg, seed=None)
