@@ -287,15 +287,24 @@ def optimizer_state_bytes(opt: torch.optim.Optimizer) -> int:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def _from_sharding(name: str) -> Callable | None:
+    """``ragged_optim.sharding.<name>`` if the package exports it as a function (it is being written), else None."""
+    try:
+        import ragged_optim.sharding as sharding
+    except ImportError:
+        return None
+    fn = getattr(sharding, name, None)
+    return fn if callable(fn) and not inspect.ismodule(fn) else None
+
+
 def shard_model(model: GPT, kind: str, verbose: bool = True) -> str:
     """Apply FSDP per block, then to the root. Returns the kind actually used ('ours', 'torch' or 'none')."""
     if kind == "none":
         return "none"
     fully_shard = None
     if kind == "ours":
-        try:
-            from ragged_optim.sharding import fully_shard
-        except ImportError:
+        fully_shard = _from_sharding("fully_shard")
+        if fully_shard is None:
             if verbose:
                 print(
                     "warning: ragged_optim.sharding.fully_shard is not available yet; "
@@ -316,13 +325,12 @@ def _state_dict_fns(kind: str) -> tuple[Callable, Callable]:
     """(get_state_dict, set_state_dict) with torch.distributed.checkpoint.state_dict's call shape."""
     if kind == "ours":
         # TODO(lead): the ragged runtime's state-dict functions (same call shape as torch's) plug in here.
-        try:
-            from ragged_optim.sharding import get_state_dict, set_state_dict
-        except ImportError:
+        get_state_dict, set_state_dict = _from_sharding("get_state_dict"), _from_sharding("set_state_dict")
+        if get_state_dict is None or set_state_dict is None:
             raise NotImplementedError(
                 "checkpointing with --fsdp ours needs ragged_optim.sharding.get_state_dict/set_state_dict, "
                 "which are not available yet; use --fsdp torch to checkpoint"
-            ) from None
+            )
         return get_state_dict, set_state_dict
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
