@@ -289,6 +289,7 @@ def _s_candidates(items: list[_Item], s_min: int, s_quant: int, s_all: int) -> l
     """Shard sizes worth trying, ascending: a grid above the lower bound, LCM-multiples of the block moduli of
     the tensors that rank boundaries cut often, a geometric ladder up to ``s_all`` (which never cuts anything)."""
     cands = {_align_up(math.ceil(s_min * (1 + e)), s_quant) for e in _GRID}
+    cands.update(s_min + s_quant * (1 << j) for j in range(12))  # just above the bound: slack for a few shifts
     cands.add(s_all)
     mods = _moduli(items, s_min)
     lcms = set()
@@ -411,7 +412,11 @@ def _assign_owners(layout: Layout, load: np.ndarray) -> Layout:
         return layout
     total = sum(c[0] for c in comp)
     cap = max((float(load.sum()) + total) / W, max(c[0] for c in comp)) * (1 + _OWNER_SLACK)
-    heap = [(float(v), r) for r, v in enumerate(load.tolist())]
+    # Only the len(comp) least-loaded ranks can be the least loaded when a block is placed (each placement touches
+    # one rank): start the heap from them, not from all W.
+    k = min(W, len(comp))
+    idx = np.argpartition(load, k - 1)[:k] if k < W else np.arange(W)
+    heap = [(float(load[r]), int(r)) for r in idx]
     heapq.heapify(heap)
     comp.sort(key=lambda c: (-c[0], c[1], c[2]))
     owners: dict[tuple[int, int], int] = {}
