@@ -19,10 +19,11 @@ Stored codes are indices into the *sorted* table (not the bit patterns above): c
 
 Nearest-code lookup: the code of a normalised value ``n`` is the number of table midpoints strictly below ``n``
 (what ``torch.searchsorted(midpoints, n)`` returns). Binary search costs ~0.5 s per 20M values on a CPU, so both the
-reference and the Triton kernel compute the same count in two table reads: ``n``'s fp32 bits map monotonically to an
+reference and the Triton kernel compute the same count with two table reads: ``n``'s fp32 bits map monotonically to an
 integer key, ``key >> shift`` picks a bucket holding at most one midpoint (checked when the tables are built),
 ``lut[bucket]`` is the count of midpoints below the bucket, and one comparison against the next midpoint finishes
-it. The result is bit-identical to ``searchsorted`` (tested).
+it. The result is bit-identical to ``searchsorted``
+(tested).
 """
 
 from __future__ import annotations
@@ -124,8 +125,9 @@ def dynamic_tables(fmt: str, device: torch.device | str = "cpu") -> DynamicTable
 
 def nearest_code(n: torch.Tensor, tables: DynamicTables) -> torch.Tensor:
     """uint8 code of each fp32 ``n`` in [-1, 1]: the number of midpoints strictly below it (torch reference)."""
-    key = float_key(n.view(torch.int32))
+    flat = n.reshape(-1)  # 1-D index_select: ~4x faster on CPU than advanced indexing (tensor[idx])
+    key = float_key(flat.view(torch.int32))
     bucket = ((key >> tables.shift) - tables.key_lo).clamp_(0, tables.lut.numel() - 1)
-    base = tables.lut[bucket]
-    nxt = tables.midpoints[base.int()]
-    return base + (nxt < n).to(torch.uint8)
+    base = torch.index_select(tables.lut, 0, bucket)
+    nxt = torch.index_select(tables.midpoints, 0, base.int())
+    return base.add_((nxt < flat).view(torch.uint8)).view(n.shape)

@@ -48,7 +48,8 @@ def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, fmt: str) -> torc
     elif fmt == "fp8_e4m3":
         vals = codes.view(torch.float8_e4m3fn).to(torch.float32)
     else:
-        vals = dynamic_tables(fmt, codes.device).values[codes.int()]
+        table = dynamic_tables(fmt, codes.device).values
+        vals = torch.index_select(table, 0, codes.reshape(-1).int()).view(codes.shape)
     return vals * scales[:, None]
 
 

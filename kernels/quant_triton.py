@@ -125,7 +125,7 @@ def _quantize_kernel(x_ptr, codes_ptr, scales_ptr, mids_ptr, lut_ptr, numel, num
 
 @triton.jit
 def _dequantize_kernel(codes_ptr, scales_ptr, out_ptr, vals_ptr, numel, num_blocks, BS: tl.constexpr,
-                       ROWS: tl.constexpr, COLS: tl.constexpr, FMT: tl.constexpr):  # fmt: skip
+                       ROWS: tl.constexpr, COLS: tl.constexpr, FMT: tl.constexpr, OUT_BF16: tl.constexpr):  # fmt: skip
     row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     col = tl.arange(0, COLS)
     offs = row[:, None] * BS + col[None, :]
@@ -133,7 +133,13 @@ def _dequantize_kernel(codes_ptr, scales_ptr, out_ptr, vals_ptr, numel, num_bloc
     codes = tl.load(codes_ptr + offs, mask=mask, other=0).to(tl.int32)
     scales = tl.load(scales_ptr + row, mask=row < num_blocks, other=0.0)
     vals = dequantize_tile(codes, scales, vals_ptr, FMT)
-    tl.store(out_ptr + offs, vals.to(out_ptr.dtype.element_ty), mask=mask)
+    if OUT_BF16:
+        # round to nearest even by hand (out_ptr is the int16 view of a bf16 tensor): the interpreter's fp32 -> bf16
+        # cast rounds ties up and can drop the mantissa carry; on a GPU this equals cvt.rn.bf16.f32
+        bits = vals.to(tl.int32, bitcast=True)
+        tl.store(out_ptr + offs, ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.int16), mask=mask)
+    else:
+        tl.store(out_ptr + offs, vals, mask=mask)
 
 
 def _table_args(fmt: str, device: torch.device):
@@ -172,8 +178,14 @@ def dequantize_blockwise_triton(
     rows, cols = tile_shape(block_size)
     vals = _table_args(fmt, codes.device)[0]
     grid = (triton.cdiv(num_blocks, rows),)
+    # fp32 and bf16 are written by the kernel; other dtypes through an fp32 buffer and torch's cast
+    target = out.view(torch.int16) if out.dtype == torch.bfloat16 else out
+    if out.dtype not in (torch.float32, torch.bfloat16):
+        target = torch.empty(numel, dtype=torch.float32, device=out.device)
     _dequantize_kernel[grid](
-        codes, scales, out, vals, numel, num_blocks, BS=block_size, ROWS=rows, COLS=cols, FMT=FMT_IDS[fmt],
-        **LAUNCH_OPTS,
+        codes, scales, target, vals, numel, num_blocks, BS=block_size, ROWS=rows, COLS=cols, FMT=FMT_IDS[fmt],
+        OUT_BF16=out.dtype == torch.bfloat16, **LAUNCH_OPTS,
     )  # fmt: skip
+    if target.dtype == torch.float32 and target is not out:
+        out.copy_(target)
     return out

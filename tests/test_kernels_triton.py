@@ -1,0 +1,129 @@
+"""Triton kernels bit-exact against the torch reference.
+
+With a CUDA GPU the kernels run compiled on CUDA tensors. Without one, this module re-runs itself in a child
+process with TRITON_INTERPRET=1 (it must be set before triton is first imported, and the rest of the suite must
+not be affected), on small CPU tensors.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+if not CUDA and not INTERPRET:
+
+    def test_triton_kernels_under_interpreter():
+        pytest.importorskip("triton")
+        env = {**os.environ, "TRITON_INTERPRET": "1"}
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", __file__]
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+        assert r.returncode == 0, (r.stdout[-8000:], r.stderr[-4000:])
+
+else:
+    import triton  # noqa: F401
+    import triton.language as tl
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+    from ragged_optim.kernels import (
+        FORMATS,
+        adamw8bit_step,
+        dequantize_blockwise,
+        init_adamw8bit_state,
+        quantize_blockwise,
+    )
+    from ragged_optim.kernels.quant_triton import fp8e4m3_decode, fp8e4m3_encode
+
+    DEV = "cuda" if CUDA and not INTERPRET else "cpu"
+    # interpreted programs cost ~1 ms each: keep the interpreter to a few tiles, use real sizes on a GPU
+    SCALE = 1 if DEV == "cpu" else 64
+
+    def _data(n, seed, dtype=torch.float32, signed=True):
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g) * 3)
+        x = x.clamp(-1e4, 1e4)
+        return (x if signed else x.abs()).to(dtype).to(DEV)
+
+    def _quant_both(x, bs, fmt):
+        c1, s1 = quantize_blockwise(x, bs, fmt, impl="triton")
+        c2, s2 = quantize_blockwise(x, bs, fmt, impl="torch")
+        assert torch.equal(c1, c2), (c1 != c2).nonzero()[:10]
+        assert torch.equal(s1, s2)
+        for dt in (torch.float32, torch.bfloat16):
+            y1 = dequantize_blockwise(c1, s1, bs, fmt, dtype=dt, impl="triton")
+            y2 = dequantize_blockwise(c1, s1, bs, fmt, dtype=dt, impl="torch")
+            assert torch.equal(y1, y2)
+
+    @pytest.mark.parametrize("fmt", FORMATS)
+    @pytest.mark.parametrize("bs", [32, 100, 256])
+    def test_quantize_exact(fmt, bs):
+        n = (3 * bs + bs // 3 + 1) * SCALE
+        x = _data(n, bs, signed=fmt != "dynamic_unsigned")
+        x[:bs] = 0  # zero block
+        _quant_both(x, bs, fmt)
+        _quant_both(x.bfloat16(), bs, fmt)
+
+    @settings(max_examples=60, deadline=None)
+    @given(n=st.integers(1, 600), bs=st.integers(1, 300), fmt=st.sampled_from(FORMATS), seed=st.integers(0, 2**16))
+    def test_quantize_exact_hypothesis(n, bs, fmt, seed):
+        _quant_both(_data(n * SCALE, seed, signed=fmt != "dynamic_unsigned"), bs, fmt)
+
+    @pytest.mark.skipif(not hasattr(torch, "float8_e4m3fn"), reason="no float8_e4m3fn")
+    def test_fp8_encode_decode_every_boundary():
+        """The integer fp8 e4m3 encoder rounds like torch's cast on every code, midpoint (ties to even) and its
+        neighbours, subnormals and zero included; the decoder inverts every non-NaN code."""
+
+        @triton.jit
+        def _roundtrip(y_ptr, code_ptr, back_ptr, n, BLOCK: tl.constexpr):
+            offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < n
+            c = fp8e4m3_encode(tl.load(y_ptr + offs, mask=mask, other=0.0))
+            tl.store(code_ptr + offs, c, mask=mask)
+            tl.store(back_ptr + offs, fp8e4m3_decode(c), mask=mask)
+
+        codes = torch.arange(256, dtype=torch.int32)
+        codes = codes[(codes & 0x7F) != 0x7F]  # drop NaNs
+        vals = codes.to(torch.uint8).view(torch.float8_e4m3fn).float()
+        pos = vals[vals >= 0].unique()
+        mids = (pos[1:] + pos[:-1]) / 2  # exact in fp32
+        up, down = torch.tensor(1e9), torch.tensor(-1e9)
+        y = torch.cat([vals, mids, torch.nextafter(mids, up), torch.nextafter(mids, down), torch.rand(2000) * 448])
+        y = torch.cat([y, -y, torch.tensor([0.0, -0.0, 1e-30, -1e-30, 448.0, -448.0])]).clamp(-448, 448)
+        y = y.contiguous().to(DEV)
+        out = torch.empty(y.numel(), dtype=torch.int32, device=DEV)
+        back = torch.empty(y.numel(), device=DEV)
+        _roundtrip[(triton.cdiv(y.numel(), 1024),)](y, out, back, y.numel(), BLOCK=1024, enable_fp_fusion=False)
+        want = y.to(torch.float8_e4m3fn).view(torch.uint8).to(torch.int32)
+        assert torch.equal(out, want), y[out != want][:10]
+        assert torch.equal(back, want.to(torch.uint8).view(torch.float8_e4m3fn).float())
+
+    def _adam_both(n, bs, steps, seed, gdtype=torch.float32, wd=0.1):
+        g_ = torch.Generator().manual_seed(seed)
+        p = torch.randn(n, generator=g_).to(DEV)
+        s1 = init_adamw8bit_state(n, bs, DEV)
+        s2 = {k: v.clone() for k, v in s1.items()}
+        p1, p2 = p.clone(), p.clone()
+        for step in range(1, steps + 1):
+            g = (torch.randn(n, generator=g_) * torch.exp(torch.randn(n, generator=g_) * 2)).to(gdtype).to(DEV)
+            kw = dict(step=step, lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=wd, block_size=bs)
+            adamw8bit_step(p1, g, s1["m_codes"], s1["m_scales"], s1["v_codes"], s1["v_scales"], impl="triton", **kw)
+            adamw8bit_step(p2, g, s2["m_codes"], s2["m_scales"], s2["v_codes"], s2["v_scales"], impl="torch", **kw)
+            assert torch.equal(p1, p2), (step, (p1 != p2).sum().item(), (p1 - p2).abs().max().item())
+            for k in s1:
+                assert torch.equal(s1[k], s2[k]), (step, k, (s1[k] != s2[k]).sum().item())
+
+    @pytest.mark.parametrize("bs", [64, 100, 256])
+    def test_adamw8bit_exact(bs):
+        _adam_both((4 * bs + bs // 2) * SCALE, bs, steps=3, seed=bs)
+
+    def test_adamw8bit_exact_bf16_grad_no_wd():
+        _adam_both(700 * SCALE, 128, steps=2, seed=1, gdtype=torch.bfloat16, wd=0.0)
+
+    @settings(max_examples=40, deadline=None)
+    @given(n=st.integers(1, 900), bs=st.integers(1, 300), seed=st.integers(0, 2**16))
+    def test_adamw8bit_exact_hypothesis(n, bs, seed):
+        _adam_both(n * SCALE, bs, steps=2, seed=seed)
