@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import socket
 import tempfile
 import traceback
@@ -44,7 +45,9 @@ def _child(fn, rank, world_size, args, kwargs, store_path, timeout_s, threads, c
             result = fn(rank, world_size, *args, **kwargs)
         finally:
             dist.destroy_process_group()
-        conn.send(("ok", result))
+        # Plain pickle keeps tensors in-band: multiprocessing's own reducers would pass them through shared
+        # memory handles that die with this process.
+        conn.send(("ok", pickle.dumps(result)))
     except BaseException as e:  # report every failure to the parent, then exit non-zero
         conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         os._exit(1)
@@ -68,7 +71,9 @@ def run_on_ranks(
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
-    threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
+    # One thread per rank by default: a forked child of a parent whose OpenMP pool has run can hang in its first
+    # parallel region (GNU OpenMP is not fork-safe), and W ranks share the cores anyway.
+    threads = threads_per_rank or 1
     ctx = mp.get_context("fork")
     with tempfile.TemporaryDirectory(prefix="ro-ranks-") as tmp:
         store_path = os.path.join(tmp, "store")
@@ -104,7 +109,7 @@ def _collect(procs, conns, timeout_s: float) -> list[Any]:
                     except EOFError:
                         status, payload = "error", f"rank {rank} exited (code {procs[rank].exitcode}) without a result"
                     if status == "ok":
-                        results[rank] = payload
+                        results[rank] = pickle.loads(payload)
                         pending.discard(rank)
                     else:
                         failure = RankFailure(f"rank {rank} failed: {payload}")

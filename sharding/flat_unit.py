@@ -1,0 +1,252 @@
+"""One FSDP unit: its params live in one planned flat buffer.
+
+Rank k owns elements ``[k*S, (k+1)*S)`` of the ``W*S`` buffer (the *local shard*, persistent, master dtype).
+Sharded params are 1-D views into the local shard; unsharded params are views into one ``W*S`` buffer that an
+all-gather fills in place and whose storage is freed at reshard; unsharded grads are views into one flat grad
+buffer that one reduce-scatter sums into the sharded grad buffer. No per-param copy on the hot path.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ragged_optim.comm.collectives import all_gather_flat, reduce_scatter_flat
+from ragged_optim.sharding.layout import BlockSpec, Layout
+from ragged_optim.sharding.planner import TensorSpec, plan_unit
+from ragged_optim.sharding.sharded_param import _INFO_ATTR, ShardInfo
+
+ALIGNMENT_BYTES = 16
+
+
+def default_block_spec(param: torch.Tensor) -> BlockSpec:
+    """Element granularity: every element may sit on any rank."""
+    return BlockSpec.elements(1, param.numel())
+
+
+class FlatUnit:
+    def __init__(self, module: nn.Module, params: list[nn.Parameter], names: list[str], refs, group, mp_policy):
+        self.module = module
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.names = names
+        self.refs = refs  # per param: the (module, attribute) pairs that hold it (several when tied)
+        self.device = params[0].device if params else torch.device("cpu")
+        self.dtype = params[0].dtype if params else torch.float32
+        self.param_dtype = (mp_policy.param_dtype if mp_policy else None) or self.dtype
+        self.reduce_dtype = (mp_policy.reduce_dtype if mp_policy else None) or self.param_dtype
+        self.requires_grad = [p.requires_grad for p in params]
+        self.specs = [default_block_spec(p) for p in params]
+        self.layout = self._plan(params)
+        self.local_shard = torch.zeros(self.layout.shard_size, dtype=self.dtype, device=self.device)
+        with torch.no_grad():
+            for i, p in enumerate(params):
+                lo, hi = self.layout.local_range(self.rank, i)
+                self._local_slice(i).copy_(p.detach().reshape(-1)[lo:hi])
+        self.sharded_params = []
+        for i, p in enumerate(params):
+            sp = nn.Parameter(self._local_slice(i), requires_grad=p.requires_grad)
+            setattr(sp, _INFO_ATTR, ShardInfo(self, i, names[i]))
+            self.sharded_params.append(sp)
+        self.sharded_grad = None  # [S] master dtype, allocated at the first reduce-scatter
+        self.unsharded = torch.empty(0, dtype=self.param_dtype, device=self.device)
+        self.unsharded_params: list[nn.Parameter] = []
+        self.grad_buf = None  # [W*S] param dtype, alive from pre-backward to the reduce-scatter
+        self.is_unsharded = False
+        self.stale = True
+        self.pending_gather = None  # (work, staging tensor) of an async all-gather
+        self.pending_reduce = None  # (work, staging tensor) of an async reduce-scatter
+        self.requires_grad_sync = True
+        self.on_all_grads_ready = None  # set by fully_shard: called once every trainable param has its grad
+        self.grads_ready = 0
+        self._build_unsharded_params()
+        self.set_sharded_attrs()
+
+    # ----- layout -------------------------------------------------------------------------------------------
+    def _plan(self, params) -> Layout:
+        tensors = [
+            TensorSpec(n, tuple(p.shape), p.element_size(), s) for n, p, s in zip(self.names, params, self.specs)
+        ]
+        return plan_unit(tensors, self.world_size, alignment=max(ALIGNMENT_BYTES, self._itemsize_lcm()))
+
+    def _itemsize_lcm(self) -> int:
+        # The local shard (master dtype) and the unsharded buffer (param dtype) both need aligned S.
+        a, b = torch.finfo(self.dtype).bits // 8, torch.finfo(self.param_dtype).bits // 8
+        return a * b // math.gcd(a, b)
+
+    def _shard_view(self, buf: torch.Tensor, i: int) -> torch.Tensor:
+        """Tensor i's local piece inside an S-element per-rank buffer (the local shard, the sharded grad)."""
+        lo, hi = self.layout.local_range(self.rank, i)
+        start = self.layout.offsets[i] + lo - self.rank * self.layout.shard_size
+        return buf[start : start + (hi - lo)] if hi > lo else buf[:0]
+
+    def _local_slice(self, i: int) -> torch.Tensor:
+        return self._shard_view(self.local_shard, i)
+
+    def _full_slice(self, buf: torch.Tensor, i: int) -> torch.Tensor:
+        off = self.layout.offsets[i]
+        return buf[off : off + math.prod(self.layout.shapes[i])].view(self.layout.shapes[i])
+
+    def _build_unsharded_params(self):
+        nbytes = self.layout.total_size * self.unsharded.element_size()
+        self.unsharded = torch.empty(self.layout.total_size, dtype=self.param_dtype, device=self.device)
+        self.unsharded_params = [
+            nn.Parameter(self._full_slice(self.unsharded, i), requires_grad=rg)
+            for i, rg in enumerate(self.requires_grad)
+        ]
+        for up in self.unsharded_params:
+            if up.requires_grad:
+                up.register_post_accumulate_grad_hook(self._grad_landed)
+        self._storage_nbytes = nbytes
+        self.unsharded.untyped_storage().resize_(0)
+
+    def relayout(self, specs: dict[int, BlockSpec]) -> bool:
+        """Re-plan with new block specs for some params and move the data to match; param objects are kept.
+
+        A one-time collective (all ranks, before the optimizer has state). Returns True when the layout changed."""
+        new_specs = list(self.specs)
+        for i, s in specs.items():
+            new_specs[i] = s
+        if new_specs == self.specs:
+            return False
+        full = self._gather_master()
+        self.specs = new_specs
+        self.layout = self._plan(self.sharded_params)
+        shapes = self.layout.shapes
+        self.local_shard = torch.zeros(self.layout.shard_size, dtype=self.dtype, device=self.device)
+        with torch.no_grad():
+            for i, sp in enumerate(self.sharded_params):
+                lo, hi = self.layout.local_range(self.rank, i)
+                src = full[i].reshape(-1)[lo:hi]
+                dst = self._local_slice(i)
+                dst.copy_(src)
+                sp.data = dst
+                sp.grad = None
+        assert all(tuple(s) == tuple(p.shape) for s, p in zip(shapes, self.unsharded_params))
+        self.sharded_grad = None
+        self.is_unsharded, self.stale = False, True
+        self._build_unsharded_params()
+        return True
+
+    def _gather_master(self) -> list[torch.Tensor]:
+        """Every param's full master value, by one all-gather of the local shard (used by relayout)."""
+        out = torch.empty(self.layout.total_size, dtype=self.dtype, device=self.device)
+        all_gather_flat(out, self.local_shard, group=self.group)
+        return [self._full_slice(out, i).clone() for i in range(len(self.sharded_params))]
+
+    # ----- module attributes --------------------------------------------------------------------------------
+    def _set_attrs(self, params):
+        for p, refs in zip(params, self.refs):
+            for mod, attr in refs:
+                mod._parameters[attr] = p
+
+    def set_sharded_attrs(self):
+        self._set_attrs(self.sharded_params)
+
+    def set_unsharded_attrs(self):
+        self._set_attrs(self.unsharded_params)
+
+    # ----- unshard / reshard --------------------------------------------------------------------------------
+    def start_unshard(self):
+        """Issue the all-gather (async) unless the unsharded buffer is current or a gather is in flight."""
+        if (self.is_unsharded and not self.stale) or self.pending_gather is not None or not self.sharded_params:
+            return
+        if self.unsharded.untyped_storage().size() == 0:
+            self.unsharded.untyped_storage().resize_(self._storage_nbytes)
+        src = self.local_shard if self.param_dtype == self.dtype else self.local_shard.to(self.param_dtype)
+        version = self.unsharded._version
+        work = all_gather_flat(self.unsharded, src, group=self.group, async_op=True)
+        self.pending_gather = (work, src, version)
+
+    def wait_unshard(self):
+        self.start_unshard()
+        if self.pending_gather is not None:
+            work, _, version = self.pending_gather
+            work.wait()
+            self.pending_gather = None
+            self.is_unsharded, self.stale = True, False
+            # The buffer is refilled under autograd's nose on purpose: tensors saved for backward are views of it
+            # and the backward all-gather puts the same values back. The collective bumps the version counter
+            # (at issue or at completion), so restore it once the data is in.
+            torch._C._autograd._unsafe_set_version_counter((self.unsharded,), (version,))
+
+    def reshard(self):
+        if self.pending_gather is not None:
+            self.wait_unshard()
+        if self.is_unsharded:
+            self.unsharded.untyped_storage().resize_(0)
+            self.is_unsharded = False
+        self.set_sharded_attrs()
+
+    def _grad_landed(self, _param):
+        self.grads_ready += 1
+        if self.grads_ready == sum(self.requires_grad) and self.on_all_grads_ready is not None:
+            self.on_all_grads_ready(self)
+
+    # ----- gradients ----------------------------------------------------------------------------------------
+    def prepare_grads(self):
+        """Before the unit's backward: point each unsharded param's .grad at the flat grad buffer, so autograd
+        accumulates there in place."""
+        if self.grad_buf is None:
+            self.grad_buf = torch.zeros(self.layout.total_size, dtype=self.param_dtype, device=self.device)
+            for i, up in enumerate(self.unsharded_params):
+                if up.requires_grad:
+                    up.grad = self._full_slice(self.grad_buf, i)
+
+    def collect_stray_grads(self):
+        """Autograd replaces a preset .grad in rare cases (e.g. a grad of another layout); fold those back."""
+        if self.grad_buf is None:
+            return
+        for i, up in enumerate(self.unsharded_params):
+            g = up.grad
+            if g is None:
+                continue
+            view = self._full_slice(self.grad_buf, i)
+            if g.data_ptr() != view.data_ptr():
+                view.add_(g)
+                up.grad = view
+
+    def start_reduce_grads(self):
+        """One reduce-scatter of the flat grad buffer into the sharded grad buffer (async)."""
+        if self.grad_buf is None or not self.requires_grad_sync:
+            return
+        self.collect_stray_grads()
+        full = self.grad_buf if self.reduce_dtype == self.param_dtype else self.grad_buf.to(self.reduce_dtype)
+        out = torch.empty(self.layout.shard_size, dtype=self.reduce_dtype, device=self.device)
+        work = reduce_scatter_flat(out, full, group=self.group, async_op=True)
+        self.pending_reduce = (work, out, full)
+        for up in self.unsharded_params:
+            up.grad = None
+        self.grad_buf = None
+
+    def finish_reduce_grads(self):
+        if self.pending_reduce is None:
+            return
+        work, out, _ = self.pending_reduce
+        work.wait()
+        self.pending_reduce = None
+        out = out.to(self.dtype).div_(self.world_size)
+        fresh = all(sp.grad is None for sp, rg in zip(self.sharded_params, self.requires_grad) if rg)
+        if self.sharded_grad is None or fresh:
+            self.sharded_grad = out
+        else:  # accumulate into grads the user kept from an earlier step
+            for i, sp in enumerate(self.sharded_params):
+                if self.requires_grad[i] and sp.grad is None:
+                    self._shard_view(self.sharded_grad, i).zero_()
+            self.sharded_grad.add_(out)
+        for i, sp in enumerate(self.sharded_params):
+            if self.requires_grad[i]:
+                sp.grad = self._shard_view(self.sharded_grad, i)
+
+    # ----- gathers for users --------------------------------------------------------------------------------
+    def gather_full(self, i: int, local: torch.Tensor) -> torch.Tensor:
+        """The full value of tensor i from each rank's piece ``local`` (same layout as its sharded param)."""
+        buf = torch.zeros(self.layout.shard_size, dtype=local.dtype, device=self.device)
+        self._shard_view(buf, i).copy_(local.reshape(-1))
+        out = torch.empty(self.layout.total_size, dtype=local.dtype, device=self.device)
+        all_gather_flat(out, buf, group=self.group)
+        return self._full_slice(out, i).clone()

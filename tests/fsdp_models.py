@@ -1,0 +1,63 @@
+"""Small models with awkward shapes for the runtime tests (imported by test modules; not a test itself)."""
+
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, d=33, hidden=70):
+        super().__init__()
+        self.l1 = nn.Linear(d, hidden)
+        self.l2 = nn.Linear(hidden, d)
+        self.gain = nn.Parameter(torch.ones(2))  # smaller than most world sizes
+
+    def forward(self, x):
+        return x + self.l2(torch.relu(self.l1(x))) * self.gain.mean()
+
+
+class Awkward(nn.Module):
+    """A 1000x257 linear, a bias of 7, an embedding of 1001 rows tied to the head, a 2-element param."""
+
+    def __init__(self, d=33, vocab=1001, n_blocks=2):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList([Block(d) for _ in range(n_blocks)])
+        self.wide_in = nn.Linear(d, 257)
+        self.wide = nn.Linear(257, 1000)
+        self.narrow = nn.Linear(1000, 7)
+        self.back = nn.Linear(7, d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for b in self.layers:
+            x = b(x)
+        x = x + self.back(self.narrow(torch.relu(self.wide(torch.relu(self.wide_in(x))))))
+        return self.head(x)
+
+
+def make_model(seed=0, **kw):
+    torch.manual_seed(seed)
+    return Awkward(**kw)
+
+
+def batch(step, n=12, seq=5, vocab=1001):
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randint(0, vocab, (n, seq), generator=g), torch.randint(0, vocab, (n, seq), generator=g)
+
+
+def loss_fn(model, x, y):
+    return nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+
+
+def shard(model, fully_shard, **kw):
+    for b in model.layers:
+        fully_shard(b, **kw)
+    fully_shard(model, **kw)
+    return model
+
+
+def local_rows(t, rank, world_size):
+    per = t.shape[0] // world_size
+    return t[rank * per : (rank + 1) * per]

@@ -1,0 +1,233 @@
+"""RaggedShard runtime on real gloo ranks: sharded training equals the one-process run."""
+
+import pytest
+import torch
+from fsdp_models import batch, local_rows, loss_fn, make_model, shard
+
+from ragged_optim.comm.counter import count_collectives
+from ragged_optim.comm.launch import run_on_ranks
+from ragged_optim.sharding import (
+    clip_grad_norm_,
+    full_tensor,
+    fully_shard,
+    get_full_state_dict,
+    load_full_state_dict,
+    shard_info,
+    units_of,
+)
+
+STEPS = 3
+# AdamW turns an absolute grad difference d on a grad much smaller than eps into lr*d/eps of param difference.
+# fp32 sums in another order (gloo's ring vs one process) differ by d ~ 1e-10 on O(1e-3) grads, so with torch's
+# default eps=1e-8 and lr=1e-3 that alone is ~1e-5. These settings keep the comparison about the runtime: a wrong
+# grad slice still moves params by ~lr = 1e-4, far above the 1e-6 bound. test_grads_match checks grads directly.
+LR = 1e-4
+EPS = 1e-6
+
+
+def single_run(steps=STEPS, world_size=1, clip=None):
+    """The one-process reference. Each rank's rows are a micro-batch here too: the global grad is then the same
+    sum in the same order, and AdamW (which normalises by sqrt(v)) does not amplify last-bit differences of
+    near-zero grads into visible ones."""
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    for step in range(steps):
+        x, y = batch(step)
+        for rank in range(world_size):
+            xs, ys = local_rows(x, rank, world_size), local_rows(y, rank, world_size)
+            (loss_fn(model, xs, ys) / world_size).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def sharded_run(rank, world_size, steps=STEPS, reshard_after_forward=True, accumulate=1, clip=None):
+    model = shard(make_model(), fully_shard, reshard_after_forward=reshard_after_forward)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    norms = []
+    for step in range(steps):
+        x, y = batch(step)
+        x, y = local_rows(x, rank, world_size), local_rows(y, rank, world_size)
+        chunks = list(zip(x.chunk(accumulate), y.chunk(accumulate)))
+        for i, (xs, ys) in enumerate(chunks):
+            model.set_requires_gradient_sync(i == len(chunks) - 1)
+            (loss_fn(model, xs, ys) / accumulate).backward()
+        if clip is not None:
+            norms.append(float(clip_grad_norm_(model.parameters(), clip)))
+        opt.step()
+        opt.zero_grad()
+    return {n: full_tensor(p).clone() for n, p in model.named_parameters()}, norms
+
+
+def max_diff(a, b):
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("reshard_after_forward", [True, False])
+def test_sharded_adamw_equals_single_process(world_size, reshard_after_forward):
+    params, _ = run_on_ranks(sharded_run, world_size, reshard_after_forward=reshard_after_forward)[0]
+    assert max_diff(params, single_run(world_size=world_size)) <= 1e-6
+
+
+def test_gradient_accumulation_equals_large_batch():
+    params, _ = run_on_ranks(sharded_run, 2, accumulate=3)[0]
+    assert max_diff(params, single_run(world_size=2)) <= 1e-6
+
+
+def test_clip_grad_norm_is_global():
+    ref = single_run(world_size=3, clip=0.5)
+    params, norms = run_on_ranks(sharded_run, 3, clip=0.5)[0]
+    assert max_diff(params, ref) <= 1e-6
+    assert all(n > 0.5 for n in norms)  # the clip was active, so the global norm mattered
+
+
+def _grads(rank, world_size):
+    model = shard(make_model(), fully_shard)
+    x, y = batch(0)
+    loss_fn(model, local_rows(x, rank, world_size), local_rows(y, rank, world_size)).backward()
+    from ragged_optim.sharding import full_grad
+
+    return {n: full_grad(p) for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("world_size", [3, 5])
+def test_grads_match_single_process(world_size):
+    model = make_model()
+    x, y = batch(0)
+    for rank in range(world_size):
+        (loss_fn(model, local_rows(x, rank, world_size), local_rows(y, rank, world_size)) / world_size).backward()
+    grads = run_on_ranks(_grads, world_size)[0]
+    for n, p in model.named_parameters():
+        scale = p.grad.abs().max().item()
+        assert (grads[n] - p.grad).abs().max().item() <= 1e-6 * scale, n
+
+
+def _zero_copy(rank, world_size):
+    model = shard(make_model(), fully_shard)
+    checks = []
+    for unit in units_of(model):
+        shard_ptr = unit.local_shard.untyped_storage().data_ptr()
+        checks.append(all(p.untyped_storage().data_ptr() == shard_ptr for p in unit.sharded_params))
+        unit.wait_unshard()
+        full_ptr = unit.unsharded.untyped_storage().data_ptr()
+        checks.append(all(p.untyped_storage().data_ptr() == full_ptr for p in unit.unsharded_params))
+        unit.reshard()
+        checks.append(unit.unsharded.untyped_storage().size() == 0)
+    x, y = batch(0)
+    with count_collectives() as stats:
+        loss_fn(model, local_rows(x, rank, world_size), local_rows(y, rank, world_size)).backward()
+    grads_alias = all(
+        p.grad.untyped_storage().data_ptr() == u.sharded_grad.untyped_storage().data_ptr()
+        for u in units_of(model)
+        for p in u.sharded_params
+    )
+    return checks, grads_alias, dict(stats.calls), len(units_of(model))
+
+
+def test_params_and_grads_alias_the_flat_buffers():
+    checks, grads_alias, calls, n_units = run_on_ranks(_zero_copy, 2)[0]
+    assert all(checks) and grads_alias
+    # One all-gather per unit in forward, one more per resharded (non-root) unit in backward, one reduce-scatter.
+    assert calls["all_gather"] == n_units + (n_units - 1)
+    assert calls["reduce_scatter"] == n_units
+
+
+def _owns_nothing(rank, world_size):
+    model = shard(make_model(n_blocks=1), fully_shard)
+    tiny = units_of(model)[0]  # the block: far fewer elements than the root
+    owned = [shard_info(p).local_range for p in tiny.sharded_params]
+    x, y = batch(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss_fn(model, local_rows(x, rank, world_size), local_rows(y, rank, world_size)).backward()
+    opt.step()
+    return sum(hi - lo for lo, hi in owned), {n: full_tensor(p) for n, p in model.named_parameters()}
+
+
+def test_rank_that_owns_nothing_takes_part():
+    # 2 params of a 2-element block over 8 ranks: most ranks own nothing of the gain, some own nothing at all.
+    results = run_on_ranks(_owns_nothing, 8)
+    assert min(n for n, _ in results) >= 0
+    first = results[0][1]
+    for _, params in results[1:]:
+        assert max_diff(params, first) == 0
+
+
+def _state_dicts(rank, world_size):
+    model = shard(make_model(), fully_shard)
+    full = get_full_state_dict(model)
+    other = shard(make_model(seed=1), fully_shard)
+    load_full_state_dict(other, full)
+    return {k: v for k, v in get_full_state_dict(other).items()}
+
+
+def test_full_state_dict_round_trips_into_plain_torch():
+    sd = run_on_ranks(_state_dicts, 3)[0]
+    plain = make_model(seed=5)
+    plain.load_state_dict(sd)
+    ref = make_model()
+    assert max_diff(dict(plain.named_parameters()), dict(ref.named_parameters())) == 0
+
+
+def _mixed_precision(rank, world_size):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = shard(make_model(), fully_shard, mp_policy=mp)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    dtypes = {p.dtype for p in model.parameters()}
+    for step in range(2):
+        x, y = batch(step)
+        loss_fn(model, local_rows(x, rank, world_size), local_rows(y, rank, world_size)).backward()
+        grad_dtypes = {p.grad.dtype for p in model.parameters() if p.grad is not None}
+        opt.step()
+        opt.zero_grad()
+    return dtypes, grad_dtypes, {n: full_tensor(p) for n, p in model.named_parameters()}
+
+
+def test_mixed_precision_keeps_fp32_master_params():
+    dtypes, grad_dtypes, params = run_on_ranks(_mixed_precision, 2)[0]
+    assert dtypes == {torch.float32} and grad_dtypes == {torch.float32}
+    ref = single_run(steps=2, world_size=2)
+    assert 0 < max_diff(params, ref) < 5e-3  # bf16 compute differs a little, not a lot
+
+
+def _bad_input(rank, world_size):
+    errors = {}
+    mixed = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2).double())
+    for key, fn in {
+        "mixed_dtypes": lambda: fully_shard(mixed),
+        "twice": lambda: fully_shard(fully_shard(torch.nn.Linear(2, 2))),
+        "int_param": lambda: fully_shard(_with_int_param()),
+    }.items():
+        try:
+            fn()
+            errors[key] = None
+        except (ValueError, TypeError) as e:
+            errors[key] = str(e)
+    empty = fully_shard(torch.nn.ReLU())
+    errors["empty_runs"] = float(empty(torch.ones(2)).sum())
+    noncontig = torch.nn.Linear(3, 4)
+    noncontig.weight = torch.nn.Parameter(torch.randn(3, 4).t())
+    expected = noncontig.weight.detach().clone()
+    fully_shard(noncontig)
+    errors["noncontig_ok"] = bool(torch.equal(full_tensor(noncontig.weight), expected))
+    return errors
+
+
+def _with_int_param():
+    m = torch.nn.Linear(2, 2)
+    m.register_parameter("count", torch.nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False))
+    return m
+
+
+def test_bad_input_gets_clear_errors():
+    errors = run_on_ranks(_bad_input, 2)[0]
+    assert "share a dtype" in errors["mixed_dtypes"] and "'1.weight'" in errors["mixed_dtypes"]
+    assert "already called" in errors["twice"]
+    assert "count" in errors["int_param"] and "floating-point" in errors["int_param"]
+    assert errors["empty_runs"] == 2.0
+    assert errors["noncontig_ok"] is True
