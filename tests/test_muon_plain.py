@@ -8,10 +8,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from ragged_optim.kernels.newton_schulz import newton_schulz
 from torch import nn
 from torch.optim._muon import _zeropower_via_newtonschulz as torch_ns
 
+from ragged_optim.kernels.newton_schulz import newton_schulz
 from ragged_optim.optim import BF16_NS_REL_TOL, Muon, muon_param_groups
 
 SHAPES = [(24, 8), (8, 24), (16, 16), (16, 16), (1, 12), (12, 1), (33, 17)]  # tall, wide, square x2, 1xN, Nx1

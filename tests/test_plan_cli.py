@@ -84,8 +84,9 @@ def test_module_factory(capsys):
 @pytest.mark.filterwarnings("ignore:enable_nested_tensor")
 def test_units_from_module_rule():
     import torch
-    from ragged_optim.sharding.catalog import units_from_module
     from torch import nn
+
+    from ragged_optim.sharding.catalog import units_from_module
 
     with torch.device("meta"):
         m = nn.Transformer(d_model=32, nhead=2, num_encoder_layers=2, num_decoder_layers=3, dim_feedforward=64)

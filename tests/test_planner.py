@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from ragged_optim.sharding.catalog import model_units
 from ragged_optim.sharding.layout import BlockSpec, Layout
 from ragged_optim.sharding.planner import TensorSpec, clear_plan_cache, layout_stats, plan_unit, rank_loads
