@@ -10,11 +10,11 @@ from .qmaps import dynamic_tables
 from .quant_triton import LAUNCH_OPTS, dequantize_tile, quantize_tile, tile_shape
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["numel", "num_blocks", "BS"])
 def _adamw8bit_kernel(p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr,
                       s_vals, s_mids, s_lut, u_vals, u_mids, u_lut,
                       numel, num_blocks, decay, b1, c1, b2, c2, inv_sqrt_bc2, eps, step_size,
-                      BS: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+                      BS, ROWS: tl.constexpr, COLS: tl.constexpr,
                       S_SHIFT: tl.constexpr, S_KEY_LO: tl.constexpr, S_LUT_LEN: tl.constexpr,
                       U_SHIFT: tl.constexpr, U_KEY_LO: tl.constexpr, U_LUT_LEN: tl.constexpr):  # fmt: skip
     row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)

@@ -109,8 +109,8 @@ FP8_INV_MAX_C = tl.constexpr(FP8_INV_MAX)
 FP8_MAX_C = tl.constexpr(FP8_MAX)
 
 
-@triton.jit
-def _quantize_kernel(x_ptr, codes_ptr, scales_ptr, mids_ptr, lut_ptr, numel, num_blocks, BS: tl.constexpr,
+@triton.jit(do_not_specialize=["numel", "num_blocks", "BS"])
+def _quantize_kernel(x_ptr, codes_ptr, scales_ptr, mids_ptr, lut_ptr, numel, num_blocks, BS,
                      ROWS: tl.constexpr, COLS: tl.constexpr, FMT: tl.constexpr, SHIFT: tl.constexpr,
                      KEY_LO: tl.constexpr, LUT_LEN: tl.constexpr):  # fmt: skip
     row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -123,8 +123,8 @@ def _quantize_kernel(x_ptr, codes_ptr, scales_ptr, mids_ptr, lut_ptr, numel, num
     tl.store(scales_ptr + row, scale, mask=row < num_blocks)
 
 
-@triton.jit
-def _dequantize_kernel(codes_ptr, scales_ptr, out_ptr, vals_ptr, numel, num_blocks, BS: tl.constexpr,
+@triton.jit(do_not_specialize=["numel", "num_blocks", "BS"])
+def _dequantize_kernel(codes_ptr, scales_ptr, out_ptr, vals_ptr, numel, num_blocks, BS,
                        ROWS: tl.constexpr, COLS: tl.constexpr, FMT: tl.constexpr, OUT_BF16: tl.constexpr):  # fmt: skip
     row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     col = tl.arange(0, COLS)

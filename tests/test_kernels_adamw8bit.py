@@ -7,6 +7,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from ragged_optim.kernels import (
     adamw8bit_constants,
     adamw8bit_step,

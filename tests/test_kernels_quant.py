@@ -6,6 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from ragged_optim.kernels import FORMATS, code_dtype, dequantize_blockwise, dynamic_tables, quantize_blockwise
 from ragged_optim.kernels.qmaps import dynamic_tree_values, nearest_code
 

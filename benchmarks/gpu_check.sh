@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# GPU check of ragged_optim.kernels on one CUDA machine (fresh environment, < 5 minutes):
+#   1. sets up a venv that sees the system's packages (reuses a CUDA torch if there is one, installs torch only if
+#      it is missing), plus test deps and, best effort, torchao and bitsandbytes (never letting them move torch);
+#   2. runs tests/test_kernels_*.py on CUDA: the Triton kernels compiled and compared bit for bit with the torch
+#      reference on the GPU;
+#   3. times Triton vs the torch reference vs torchao / bitsandbytes 8-bit AdamW (benchmarks/kernels_gpu_bench.py).
+# Prints one JSON line on stdout; progress goes to stderr. Exit 0 only if tests pass and Triton == reference.
+# Without a GPU it exits 2 at once with {"ok": false, "error": "..."}.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+log() { echo "[gpu_check] $*" >&2; }
+fail() { # $1 = message, $2 = exit code
+  python3 -c 'import json,sys; print(json.dumps({"ok": False, "error": sys.argv[1]}))' "$1" 2>/dev/null ||
+    echo "{\"ok\": false, \"error\": \"$1\"}"
+  log "$1"
+  exit "${2:-1}"
+}
+
+if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
+  fail "no CUDA GPU on this machine (nvidia-smi missing or lists no device); run this on a GPU host" 2
+fi
+command -v python3 >/dev/null 2>&1 || fail "python3 not found" 2
+log "GPU: $(nvidia-smi -L | head -1)"
+
+venv="${RO_GPU_VENV:-/tmp/ragged-optim-gpu-venv}"
+if [ ! -x "$venv/bin/python" ]; then
+  python3 -m venv --system-site-packages "$venv" || fail "could not create a venv at $venv" 2
+fi
+py="$venv/bin/python"
+pipq() { timeout 240 "$py" -m pip install -q --disable-pip-version-check "$@" 1>&2; }
+
+cuda_ok() { "$py" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; }
+if ! "$py" -c 'import torch' >/dev/null 2>&1; then
+  log "torch missing: installing it (PyPI's Linux wheel ships CUDA)"
+  pipq torch || fail "pip install torch failed" 1
+fi
+cuda_ok || fail "torch $("$py" -c 'import torch; print(torch.__version__)' 2>&1 | tail -1) sees no CUDA device" 1
+"$py" -c 'import triton' >/dev/null 2>&1 || pipq triton || fail "triton missing and pip install triton failed" 1
+log "torch $("$py" -c 'import torch, triton; print(torch.__version__, "triton", triton.__version__)')"
+
+"$py" -c 'import pytest, hypothesis, numpy, einops' >/dev/null 2>&1 || pipq pytest hypothesis numpy einops pytest-timeout ||
+  fail "pip install of the test dependencies failed" 1
+# our package (the repo-root layers map into ragged_optim.*), without touching dependencies
+pipq --no-deps -e . || fail "pip install -e . failed" 1
+# peers, best effort; --no-deps so they cannot replace the CUDA torch (an incompatible one reports itself below)
+"$py" -c 'import torchao' >/dev/null 2>&1 || pipq --no-deps torchao || log "torchao: pip install failed"
+"$py" -c 'import bitsandbytes' >/dev/null 2>&1 || pipq --no-deps bitsandbytes || log "bitsandbytes: pip install failed"
+
+log "running tests/test_kernels_*.py on CUDA"
+test_log="$(mktemp)"
+timeout 150 "$py" -m pytest -q -p no:cacheprovider tests/test_kernels_quant.py tests/test_kernels_adamw8bit.py \
+  tests/test_kernels_triton.py >"$test_log" 2>&1
+test_rc=$?
+tail -n 30 "$test_log" >&2
+test_summary="$(grep -E '(passed|failed|error)' "$test_log" | tail -1)"
+
+log "benchmarking"
+bench_json="$(timeout 120 "$py" benchmarks/kernels_gpu_bench.py | tail -1)"
+bench_rc=$?
+[ -n "$bench_json" ] || bench_json='{"ok": false, "error": "benchmark produced no output"}'
+
+"$py" - "$test_rc" "$test_summary" "$bench_json" <<'EOF'
+import json, sys
+test_rc, summary, bench = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+try:
+    bench = json.loads(bench)
+except ValueError:
+    bench = {"ok": False, "error": "unparsable benchmark output: " + bench[:500]}
+print(json.dumps({"ok": test_rc == 0 and bool(bench.get("ok")), "tests": {"rc": test_rc, "summary": summary},
+                  "bench": bench}))
+EOF
+[ "$test_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
