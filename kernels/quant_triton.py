@@ -15,7 +15,9 @@ import triton.language as tl
 from .qmaps import FP8_INV_MAX, FP8_MAX, INT8_INV_MAX, dynamic_tables
 
 FMT_IDS = {"int8": 0, "dynamic": 1, "dynamic_unsigned": 2, "fp8_e4m3": 3}
-LAUNCH_OPTS = {"enable_fp_fusion": False}
+# enable_fp_fusion: no mul+add -> fma contraction. enable_reflect_ftz: on NVIDIA, precise fp32 sqrt / div lower to
+# their .ftz forms when it is on (the default), flushing subnormals that torch keeps.
+LAUNCH_OPTS = {"enable_fp_fusion": False, "enable_reflect_ftz": False}
 
 
 def tile_shape(block_size: int, target_elems: int = 4096) -> tuple[int, int]:
@@ -72,23 +74,18 @@ def quantize_tile(x, mask, mids_ptr, lut_ptr, FMT: tl.constexpr, SHIFT: tl.const
                   LUT_LEN: tl.constexpr):  # fmt: skip
     """Quantize a [ROWS, COLS] fp32 tile, one block per row: (int32 codes, fp32 scales [ROWS])."""
     absmax = tl.max(tl.where(mask, tl.abs(x), 0.0), axis=1)
-    if FMT == 0 or FMT == 3:
-        if FMT == 0:
-            scale = absmax * INT8_INV_MAX_C
-        else:
-            scale = absmax * FP8_INV_MAX_C
-        divisor = tl.where(scale > 0, scale, 1.0)
-        y = tl.math.div_rn(x, divisor[:, None])
-        if FMT == 0:
-            y = tl.minimum(tl.maximum(y, -127.0), 127.0)
-            codes = rint_f32(y).to(tl.int32)
-        else:
-            y = tl.minimum(tl.maximum(y, -FP8_MAX_C), FP8_MAX_C)
-            codes = fp8e4m3_encode(y)
+    if FMT == 0:
+        scale = absmax * INT8_INV_MAX_C
+        y = tl.math.div_rn(x, tl.where(scale > 0, scale, 1.0)[:, None])
+        codes = rint_f32(tl.minimum(tl.maximum(y, -127.0), 127.0)).to(tl.int32)
+    elif FMT == 3:
+        scale = absmax * FP8_INV_MAX_C
+        y = tl.math.div_rn(x, tl.where(scale > 0, scale, 1.0)[:, None])
+        codes = fp8e4m3_encode(tl.minimum(tl.maximum(y, -FP8_MAX_C), FP8_MAX_C))
     else:
         scale = absmax
-        divisor = tl.where(absmax > 0, absmax, 1.0)
-        codes = nearest_code(tl.math.div_rn(x, divisor[:, None]), mids_ptr, lut_ptr, SHIFT, KEY_LO, LUT_LEN)
+        n = tl.math.div_rn(x, tl.where(absmax > 0, absmax, 1.0)[:, None])
+        codes = nearest_code(n, mids_ptr, lut_ptr, SHIFT, KEY_LO, LUT_LEN)
     return codes, scale
 
 

@@ -70,6 +70,16 @@ else:
         _quant_both(x, bs, fmt)
         _quant_both(x.bfloat16(), bs, fmt)
 
+    @pytest.mark.parametrize("fmt", FORMATS)
+    def test_quantize_exact_subnormal(fmt):
+        """Subnormal inputs and scales: nothing may flush to zero (kernels launch with enable_reflect_ftz=False)."""
+        bs = 64
+        x = _data(4 * bs * SCALE, 11, signed=fmt != "dynamic_unsigned")
+        x[:bs] = x[:bs] * 1e-40  # a whole block of subnormals
+        x[bs : 2 * bs : 3] = x[bs : 2 * bs : 3] * 1e-42  # subnormals next to normals
+        x[2 * bs : 3 * bs] = x[2 * bs : 3 * bs] * 1e-36  # x/absmax normal, absmax*(1/qmax) subnormal
+        _quant_both(x, bs, fmt)
+
     @settings(max_examples=EXAMPLES, deadline=None)
     @given(n=st.integers(1, 600), bs=st.integers(1, 300), fmt=st.sampled_from(FORMATS), seed=st.integers(0, 2**16))
     def test_quantize_exact_hypothesis(n, bs, fmt, seed):
@@ -122,6 +132,23 @@ else:
     @pytest.mark.parametrize("bs", [64, 100, 256])
     def test_adamw8bit_exact(bs):
         _adam_both((4 * bs + bs // 2) * SCALE, bs, steps=3, seed=bs)
+
+    def test_adamw8bit_exact_subnormal_grads():
+        """Tiny grads make v (and sqrt(v), m) subnormal."""
+        bs = 64
+        n = 4 * bs * SCALE
+        g_ = torch.Generator().manual_seed(5)
+        p = torch.randn(n, generator=g_).to(DEV)
+        s1 = init_adamw8bit_state(n, bs, DEV)
+        s2 = {k: v.clone() for k, v in s1.items()}
+        p1, p2 = p.clone(), p.clone()
+        for step in (1, 2):
+            g = (torch.randn(n, generator=g_) * 1e-21).to(DEV)
+            g[: n // 2] *= 1e-18
+            kw = dict(step=step, lr=1e-2, eps=1e-30, block_size=bs)
+            adamw8bit_step(p1, g, s1["m_codes"], s1["m_scales"], s1["v_codes"], s1["v_scales"], impl="triton", **kw)
+            adamw8bit_step(p2, g, s2["m_codes"], s2["m_scales"], s2["v_codes"], s2["v_scales"], impl="torch", **kw)
+            assert torch.equal(p1, p2) and all(torch.equal(s1[k], s2[k]) for k in s1)
 
     def test_adamw8bit_exact_bf16_grad_no_wd():
         _adam_both(700 * SCALE, 128, steps=2, seed=1, gdtype=torch.bfloat16, wd=0.0)
