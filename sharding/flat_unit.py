@@ -41,7 +41,9 @@ class FlatUnit:
         self.reduce_dtype = (mp_policy.reduce_dtype if mp_policy else None) or self.param_dtype
         self.requires_grad = [p.requires_grad for p in params]
         self.specs = [default_block_spec(p) for p in params]
-        self.layout = self._plan(params)
+        self.allow_split = True
+        self.layout_locked = False  # set once an optimizer keeps state shaped by this layout
+        self.layout = self._plan([p.shape for p in params])
         self.local_shard = torch.zeros(self.layout.shard_size, dtype=self.dtype, device=self.device)
         with torch.no_grad():
             for i, p in enumerate(params):
@@ -67,11 +69,16 @@ class FlatUnit:
         self.set_sharded_attrs()
 
     # ----- layout -------------------------------------------------------------------------------------------
-    def _plan(self, params) -> Layout:
-        tensors = [
-            TensorSpec(n, tuple(p.shape), p.element_size(), s) for n, p, s in zip(self.names, params, self.specs)
-        ]
-        return plan_unit(tensors, self.world_size, alignment=max(ALIGNMENT_BYTES, self._itemsize_lcm()))
+    def _plan(self, shapes, compute_load=None) -> Layout:
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        tensors = [TensorSpec(n, tuple(sh), itemsize, s) for n, sh, s in zip(self.names, shapes, self.specs)]
+        return plan_unit(
+            tensors,
+            self.world_size,
+            alignment=max(ALIGNMENT_BYTES, self._itemsize_lcm()),
+            allow_split=self.allow_split,
+            compute_load=compute_load,
+        )
 
     def _itemsize_lcm(self) -> int:
         # The local shard (master dtype) and the unsharded buffer (param dtype) both need aligned S.
@@ -104,19 +111,26 @@ class FlatUnit:
         self._storage_nbytes = nbytes
         self.unsharded.untyped_storage().resize_(0)
 
-    def relayout(self, specs: dict[int, BlockSpec]) -> bool:
+    def relayout(self, specs: dict[int, BlockSpec], *, allow_split: bool | None = None, compute_load=None) -> bool:
         """Re-plan with new block specs for some params and move the data to match; param objects are kept.
 
         A one-time collective (all ranks, before the optimizer has state). Returns True when the layout changed."""
         new_specs = list(self.specs)
         for i, s in specs.items():
             new_specs[i] = s
-        if new_specs == self.specs:
+        split = self.allow_split if allow_split is None else allow_split
+        if new_specs == self.specs and split == self.allow_split:
             return False
+        if self.layout_locked:
+            names = [self.names[i] for i in specs]
+            raise RuntimeError(
+                f"the layout of params {names[:3]} is already in use by an optimizer's state; construct every "
+                "optimizer before the first step (or pass block_policy= to fully_shard)"
+            )
         full = self._gather_master()
-        self.specs = new_specs
-        self.layout = self._plan(self.sharded_params)
         shapes = self.layout.shapes
+        self.specs, self.allow_split = new_specs, split
+        self.layout = self._plan(shapes, compute_load)
         self.local_shard = torch.zeros(self.layout.shard_size, dtype=self.dtype, device=self.device)
         with torch.no_grad():
             for i, sp in enumerate(self.sharded_params):
@@ -126,7 +140,6 @@ class FlatUnit:
                 dst.copy_(src)
                 sp.data = dst
                 sp.grad = None
-        assert all(tuple(s) == tuple(p.shape) for s, p in zip(shapes, self.unsharded_params))
         self.sharded_grad = None
         self.is_unsharded, self.stale = False, True
         self._build_unsharded_params()

@@ -31,6 +31,15 @@ from ragged_optim.kernels.newton_schulz import (
     DEFAULT_NS_STEPS,
     newton_schulz,
 )
+from ragged_optim.optim.base import (
+    BlockPlan,
+    full_shape,
+    local,
+    lock_layouts,
+    process_group,
+    request_block_specs,
+)
+from ragged_optim.sharding import BlockSpec
 
 __all__ = ["Muon", "MuonItem", "adamw_update_", "adjust_lr", "BF16_NS_REL_TOL"]
 
@@ -178,6 +187,10 @@ class Muon(torch.optim.Optimizer):
             adamw_weight_decay=adamw_weight_decay,
         )
         super().__init__(params, defaults)
+        # Ragged-sharded Muon params: ask their units to re-plan so each matrix has one owner (a collective).
+        request_block_specs(
+            [(p, BlockSpec.matrices(full_shape(p))) for g in self.param_groups if g["use_muon"] for p in g["params"]]
+        )
 
     # ------------------------------------------------------------------ groups
 
@@ -195,8 +208,9 @@ class Muon(torch.optim.Optimizer):
         use_muon = param_group.get("use_muon")
         if use_muon is None:
             tensor = lambda e: e[1] if isinstance(e, tuple) else e
-            matrices = [e for e in entries if isinstance(tensor(e), Tensor) and tensor(e).ndim >= 2]
-            others = [e for e in entries if not (isinstance(tensor(e), Tensor) and tensor(e).ndim >= 2)]
+            is_matrix = lambda e: isinstance(tensor(e), Tensor) and len(full_shape(tensor(e))) >= 2
+            matrices = [e for e in entries if is_matrix(e)]
+            others = [e for e in entries if not is_matrix(e)]
             if matrices:
                 self._add_group(param_group, matrices, use_muon=True, split=True)
             if others or not matrices:
@@ -267,7 +281,7 @@ class Muon(torch.optim.Optimizer):
         p = group["params"][i]
         name = group.get("param_names", [None] * len(group["params"]))[i]
         named = f" ({name!r})" if name is not None else ""
-        return f"param_groups[{gi}]['params'][{i}]{named} with shape {tuple(p.shape)}"
+        return f"param_groups[{gi}]['params'][{i}]{named} with shape {tuple(full_shape(p))}"
 
     def _check_params(self, gi: int, group: dict[str, Any], *, explicit: bool) -> None:
         for i, p in enumerate(group["params"]):
@@ -277,10 +291,16 @@ class Muon(torch.optim.Optimizer):
                     "params only: optimize complex params with torch.optim.AdamW, or view them as real "
                     "(torch.view_as_real) in the model."
                 )
-            if group["use_muon"] and p.ndim < 2:
+            if p.numel() == 0 and len(full_shape(p)) and 0 in full_shape(p):
+                raise ValueError(
+                    f"{self._param_label(gi, i)} has no elements; Muon cannot orthogonalize an empty matrix. "
+                    "Leave it out of the optimizer (it has nothing to learn) or give it use_muon=False"
+                )
+            ndim = len(full_shape(p))
+            if group["use_muon"] and ndim < 2:
                 how = "use_muon=True was requested for it" if explicit else "it was routed to Muon"
                 raise ValueError(
-                    f"{self._param_label(gi, i)} is {p.ndim}-D but {how}; Muon orthogonalizes matrices. Put 1-D "
+                    f"{self._param_label(gi, i)} is {ndim}-D but {how}; Muon orthogonalizes matrices. Put 1-D "
                     "params (biases, norm gains, scalars) in a group with use_muon=False (AdamW), or build the "
                     "groups with ragged_optim.optim.muon_param_groups(model)."
                 )
@@ -299,13 +319,14 @@ class Muon(torch.optim.Optimizer):
     def _matrix_shape(self, p: Tensor) -> tuple[int, int]:
         """The (m, n) of the matrix (or of each matrix of a stack) that ``p`` is; used for the lr adjustment.
 
-        A sharded subclass overrides this to report the full (unsharded) shape.
+        Sharded params (ragged or DTensor) report their full (unsharded) matrix shape.
         """
-        if p.ndim == 2 or p.ndim == 3:
-            return int(p.shape[-2]), int(p.shape[-1])
-        if p.ndim >= 4:
-            return int(p.shape[0]), int(math.prod(p.shape[1:]))
-        raise ValueError(f"a {p.ndim}-D tensor of shape {tuple(p.shape)} has no matrix shape")
+        shape = full_shape(p)
+        if len(shape) == 2 or len(shape) == 3:
+            return int(shape[-2]), int(shape[-1])
+        if len(shape) >= 4:
+            return int(shape[0]), int(math.prod(shape[1:]))
+        raise ValueError(f"a {len(shape)}-D tensor of shape {tuple(shape)} has no matrix shape")
 
     @staticmethod
     def _as_matrices(u: Tensor) -> Tensor:
@@ -316,9 +337,10 @@ class Muon(torch.optim.Optimizer):
             return u
         return u.reshape(1, u.shape[0], -1)
 
-    def _local_muon_update(self, p: Tensor, grad: Tensor, group: dict[str, Any]) -> Tensor:
-        """Phase (a): weight decay, momentum and Nesterov, elementwise on ``p`` (whole or a shard)."""
-        state = self.state[p]
+    def _local_muon_update(self, p: Tensor, grad: Tensor, group: dict[str, Any], key: Tensor | None = None) -> Tensor:
+        """Phase (a): weight decay, momentum and Nesterov, elementwise on ``p`` (whole or a shard); state is kept
+        under ``key`` (the param object the user gave, when ``p`` is its local shard)."""
+        state = self.state[p if key is None else key]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
         buf = state["momentum_buffer"]
@@ -332,9 +354,20 @@ class Muon(torch.optim.Optimizer):
     def _orthogonalize_updates(self, items: list[MuonItem]) -> list[Tensor]:
         """Phase (b): Newton-Schulz on every update, batched over updates whose matrices share a shape.
 
-        Returns one tensor per item, shaped like ``item.param``. A sharded subclass overrides this to gather each
-        update's matrices whole (or compute local blocks in place) and hand back its shard.
+        Returns one tensor per item, shaped like ``item.param``'s local tensor. Distributed params (ragged or
+        DTensor) go through :meth:`_orthogonalize_distributed`.
         """
+        dist_idx = [i for i, it in enumerate(items) if process_group(it.param) is not None]
+        if dist_idx:
+            out = [None] * len(items)
+            dist_set = set(dist_idx)
+            plain_idx = [i for i in range(len(items)) if i not in dist_set]
+            for i, o in zip(dist_idx, self._orthogonalize_distributed([items[i] for i in dist_idx])):
+                out[i] = o
+            if plain_idx:
+                for i, o in zip(plain_idx, self._orthogonalize_updates([items[i] for i in plain_idx])):
+                    out[i] = o
+            return out
         buckets: dict[tuple, list[int]] = {}
         mats = [self._as_matrices(it.update) for it in items]
         for i, (it, x) in enumerate(zip(items, mats)):
@@ -365,11 +398,65 @@ class Muon(torch.optim.Optimizer):
                 out[i] = piece.reshape(items[i].param.shape)
         return out  # type: ignore[return-value]
 
+    def _orthogonalize_distributed(self, items: list[MuonItem]) -> list[Tensor]:
+        """Phase (b) for sharded params: every matrix is gathered whole to its owner (the planner's balanced
+        owner for ragged params; a balanced greedy choice for DTensors) in one all_to_all per process group,
+        orthogonalized there exactly as on one process, and scattered back in one more. Matrices that one rank
+        holds whole move no data; when none needs moving the collectives are skipped on every rank."""
+        out: list[Tensor | None] = [None] * len(items)
+        by_group: dict[int, tuple[Any, list[int]]] = {}
+        for i, it in enumerate(items):
+            pg = process_group(it.param)
+            by_group.setdefault(id(pg), (pg, []))[1].append(i)
+        for pg, idx in by_group.values():
+            params = [items[i].param for i in idx]
+            plan = self._block_plan(pg, params)
+            wire = self._wire_dtype([items[i].group for i in idx])
+            local_pieces: dict[int, Tensor] = {}
+            for k, i in enumerate(idx):
+                local_pieces.update(plan.local_pieces(k, items[i].update.reshape(-1)))
+            full = plan.exchange.gather([local_pieces.get(r) for r in range(len(plan.routes))], wire)
+            ortho_full = self._orthogonalize_owned(plan, idx, items, full)
+            back = plan.exchange.scatter(ortho_full, wire)
+            for k, i in enumerate(idx):
+                out[i] = plan.assemble(k, back, items[i].update)
+        return out  # type: ignore[return-value]
+
+    def _block_plan(self, pg, params: list[Tensor]) -> BlockPlan:
+        """Routes are fixed while the layouts are: cache them by the param set."""
+        cache = self.__dict__.setdefault("_block_plans", {})
+        key = (id(pg), tuple(id(p) for p in params))
+        if key not in cache:
+            spec_of = lambda p: BlockSpec.matrices(full_shape(p))
+            cache[key] = BlockPlan(params, spec_of, self._matrix_shape, pg)
+        return cache[key]
+
+    @staticmethod
+    def _wire_dtype(groups: list[dict]) -> torch.dtype | None:
+        """Newton-Schulz starts by casting to ns_dtype, so sending in ns_dtype changes no bit of the result."""
+        dtypes = {g["ns_dtype"] for g in groups}
+        return dtypes.pop() if len(dtypes) == 1 else None
+
+    def _orthogonalize_owned(self, plan: BlockPlan, idx: list[int], items: list[MuonItem], full: dict) -> dict:
+        """Newton-Schulz on the whole matrices this rank owns, through the one-process path."""
+        owned_items, keys = [], []
+        for k, i in enumerate(idx):
+            m, n = self._matrix_shape(items[i].param)
+            for ri, _, _ in plan.item_routes[k]:
+                if ri in full:
+                    mat = full[ri].view(m, n)
+                    owned_items.append(MuonItem(mat, mat, items[i].group))
+                    keys.append(ri)
+        if not owned_items:
+            return {}
+        results = self._orthogonalize_updates(owned_items)
+        return {ri: r.reshape(-1) for ri, r in zip(keys, results)}
+
     def _apply_muon_update(self, item: MuonItem, ortho: Tensor) -> None:
-        """Phase (c): ``p -= adjusted_lr * ortho`` with the lr adjusted for the param's matrix shape."""
+        """Phase (c): ``p -= adjusted_lr * ortho`` with the lr adjusted for the param's (full) matrix shape."""
         g = item.group
         lr = adjust_lr(_scalar(g["lr"]), g["adjust_lr"], self._matrix_shape(item.param))
-        item.param.add_(ortho, alpha=-lr)
+        local(item.param).add_(ortho.view(local(item.param).shape), alpha=-lr)
 
     # ------------------------------------------------------------------ step
 
@@ -380,6 +467,9 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if not self.__dict__.get("_layouts_locked"):
+            lock_layouts(p for g in self.param_groups for p in g["params"])
+            self._layouts_locked = True
         items: list[MuonItem] = []
         for gi, group in enumerate(self.param_groups):
             for i, p in enumerate(group["params"]):
@@ -387,12 +477,12 @@ class Muon(torch.optim.Optimizer):
                 if grad is None:
                     continue
                 if group["use_muon"]:
-                    items.append(MuonItem(p, self._local_muon_update(p, grad, group), group))
+                    items.append(MuonItem(p, self._local_muon_update(local(p), local(grad), group, key=p), group))
                 else:
                     beta1, beta2 = group["betas"]
                     adamw_update_(
-                        p,
-                        grad,
+                        local(p),
+                        local(grad),
                         self.state[p],
                         lr=_scalar(group["lr"]),
                         beta1=beta1,
