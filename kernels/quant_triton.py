@@ -20,7 +20,7 @@ FMT_IDS = {"int8": 0, "dynamic": 1, "dynamic_unsigned": 2, "fp8_e4m3": 3}
 LAUNCH_OPTS = {"enable_fp_fusion": False, "enable_reflect_ftz": False}
 
 
-def tile_shape(block_size: int, target_elems: int = 4096) -> tuple[int, int]:
+def tile_shape(block_size: int, target_elems: int = 2048) -> tuple[int, int]:
     """(rows, row_pow2): a program handles ``rows`` blocks of ``block_size`` padded to a power of two."""
     row_pow2 = triton.next_power_of_2(block_size)
     return max(1, min(64, target_elems // row_pow2)), row_pow2
