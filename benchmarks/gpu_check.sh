@@ -17,11 +17,14 @@ fail() { # $1 = message, $2 = exit code
   exit "${2:-1}"
 }
 
-if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
-  fail "no CUDA GPU on this machine (nvidia-smi missing or lists no device); run this on a GPU host" 2
+if nvidia-smi -L >/dev/null 2>&1; then
+  log "GPU: $(nvidia-smi -L | head -1)"
+elif ls /dev/nvidia[0-9]* >/dev/null 2>&1; then
+  log "GPU: $(ls /dev/nvidia[0-9]* | head -1) (nvidia-smi unavailable)"
+else
+  fail "no CUDA GPU on this machine (nvidia-smi lists no device and there is no /dev/nvidia*); run this on a GPU host" 2
 fi
 command -v python3 >/dev/null 2>&1 || fail "python3 not found" 2
-log "GPU: $(nvidia-smi -L | head -1)"
 
 venv="${RO_GPU_VENV:-/tmp/ragged-optim-gpu-venv}"
 if [ ! -x "$venv/bin/python" ]; then
@@ -41,15 +44,17 @@ log "torch $("$py" -c 'import torch, triton; print(torch.__version__, "triton", 
 
 "$py" -c 'import pytest, hypothesis, numpy, einops' >/dev/null 2>&1 || pipq pytest hypothesis numpy einops pytest-timeout ||
   fail "pip install of the test dependencies failed" 1
-# our package (the repo-root layers map into ragged_optim.*), without touching dependencies
-pipq --no-deps -e . || fail "pip install -e . failed" 1
+# our package (the repo-root layers map into ragged_optim.*), without touching dependencies; skipped when this
+# checkout is already the installed one
+"$py" -c 'import os, ragged_optim.kernels as k; assert os.path.samefile(os.path.dirname(k.__file__), "kernels")' \
+  >/dev/null 2>&1 || pipq --no-deps -e . || pipq --no-deps --no-build-isolation -e . || fail "pip install -e . failed" 1
 # peers, best effort; --no-deps so they cannot replace the CUDA torch (an incompatible one reports itself below)
 "$py" -c 'import torchao' >/dev/null 2>&1 || pipq --no-deps torchao || log "torchao: pip install failed"
 "$py" -c 'import bitsandbytes' >/dev/null 2>&1 || pipq --no-deps bitsandbytes || log "bitsandbytes: pip install failed"
 
 log "running tests/test_kernels_*.py on CUDA"
 test_log="$(mktemp)"
-timeout 150 "$py" -m pytest -q -p no:cacheprovider tests/test_kernels_quant.py tests/test_kernels_adamw8bit.py \
+timeout 150 "$py" -m pytest -p no:cacheprovider -rfE tests/test_kernels_quant.py tests/test_kernels_adamw8bit.py \
   tests/test_kernels_triton.py >"$test_log" 2>&1
 test_rc=$?
 tail -n 30 "$test_log" >&2
