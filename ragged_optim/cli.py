@@ -21,7 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
             if e.name != name:
                 raise
             continue
-        module.add_parser(subparsers)
+        if hasattr(module, "add_parser"):  # a package still being written has none yet
+            module.add_parser(subparsers)
     return parser
 
 
