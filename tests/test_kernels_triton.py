@@ -24,6 +24,52 @@ if not CUDA and not INTERPRET:
         r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
         assert r.returncode == 0, (r.stdout[-8000:], r.stderr[-4000:])
 
+    def _compile_ptx(fn, sig: dict, consts: dict) -> str:
+        """PTX of a kernel compiled for sm_90 with our launch options (no GPU needed: LLVM + bundled ptxas)."""
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+
+        from ragged_optim.kernels.quant_triton import LAUNCH_OPTS
+
+        full = {k: sig.get(k, "constexpr") for k in fn.arg_names}
+        try:
+            src = ASTSource(fn=fn, signature=full, constexprs=consts)
+            return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(LAUNCH_OPTS)).asm["ptx"]
+        except (TypeError, AttributeError, ImportError) as e:  # another triton's compile API
+            pytest.skip(f"cannot drive triton.compile here: {e}")
+
+    def test_compiled_ptx_is_ieee():
+        """What the interpreter cannot show: on sm_90 the kernels compile to correctly rounded div/sqrt, with no
+        fma contraction (Triton 3.9's default would fuse 64 mul+add pairs in the AdamW kernel), no flush-to-zero
+        and no approximate instructions."""
+        pytest.importorskip("triton")
+        from ragged_optim.kernels.adamw8bit_triton import _adamw8bit_kernel
+        from ragged_optim.kernels.qmaps import dynamic_tables
+        from ragged_optim.kernels.quant_triton import _dequantize_kernel, _quantize_kernel
+
+        s, u = dynamic_tables("dynamic"), dynamic_tables("dynamic_unsigned")
+        ints = {"numel": "i32", "num_blocks": "i32", "BS": "i32"}
+        sig = {k: "*fp32" for k in ("p_ptr", "g_ptr", "ms_ptr", "vs_ptr", "s_vals", "s_mids", "u_vals", "u_mids")}
+        sig.update({k: "*u8" for k in ("mc_ptr", "vc_ptr", "s_lut", "u_lut")}, **ints)
+        sig.update({k: "fp32" for k in ("decay", "b1", "c1", "b2", "c2", "inv_sqrt_bc2", "eps", "step_size")})
+        tables = dict(S_SHIFT=s.shift, S_KEY_LO=s.key_lo, S_LUT_LEN=s.lut.numel())
+        tables.update(U_SHIFT=u.shift, U_KEY_LO=u.key_lo, U_LUT_LEN=u.lut.numel())
+        ptx = {"adamw8bit": _compile_ptx(_adamw8bit_kernel, sig, dict(ROWS=8, COLS=256, **tables))}
+        qsig = {"x_ptr": "*bf16", "scales_ptr": "*fp32", "mids_ptr": "*fp32", "lut_ptr": "*u8", **ints}
+        for name, fmt, codes in (("int8", 0, "*i8"), ("fp8", 3, "*u8")):
+            consts = dict(ROWS=8, COLS=128, FMT=fmt, SHIFT=0, KEY_LO=0, LUT_LEN=1)
+            ptx[f"quantize_{name}"] = _compile_ptx(_quantize_kernel, {**qsig, "codes_ptr": codes}, consts)
+        dsig = {"codes_ptr": "*u8", "scales_ptr": "*fp32", "out_ptr": "*i16", "vals_ptr": "*fp32", **ints}
+        ptx["dequantize_fp8_bf16"] = _compile_ptx(
+            _dequantize_kernel, dsig, dict(ROWS=8, COLS=128, FMT=3, OUT_BF16=True)
+        )
+        for name, text in ptx.items():
+            for bad in ("fma.", ".ftz", "approx", "div.full"):
+                assert bad not in text, (name, bad)
+        assert "div.rn.f32" in ptx["adamw8bit"] and "sqrt.rn.f32" in ptx["adamw8bit"]
+        assert "div.rn.f32" in ptx["quantize_int8"] and "div.rn.f32" in ptx["quantize_fp8"]
+
 else:
     import triton  # noqa: F401
     import triton.language as tl
