@@ -250,7 +250,24 @@ class AdamW8bit(torch.optim.Optimizer):
                 )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().load_state_dict(state_dict)
+        # torch.optim.Optimizer casts every state tensor to its param's dtype (uint8 codes would become fp32):
+        # load the 8-bit entries ourselves, keeping their dtype.
+        plain = dict(state_dict)
+        plain["state"], codes = {}, {}
+        for k, v in state_dict["state"].items():
+            plain["state"][k] = {kk: vv for kk, vv in v.items() if kk not in STATE_KEYS_8BIT}
+            codes[k] = {kk: vv for kk, vv in v.items() if kk in STATE_KEYS_8BIT}
+        super().load_state_dict(plain)
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for k, p in zip(saved_ids, params):
+            # torch may hand back the caller's own tensors (step, fp32 moments): own copies, as after a file load
+            for kk, vv in list(self.state[p].items()):
+                if isinstance(vv, Tensor):
+                    self.state[p][kk] = vv.clone()
+            if codes.get(k):
+                device = local(p).device
+                self.state[p].update({kk: vv.to(device=device).clone() for kk, vv in codes[k].items()})
         for group in self.param_groups:
             group["betas"] = tuple(group["betas"])
             group["qmaps"] = tuple(group["qmaps"])
