@@ -38,8 +38,8 @@ from ragged_optim.models import GPT, build_model, get_config, num_params
 # Optimizers: the one place that maps a name to a constructor.
 # ---------------------------------------------------------------------------------------------------------------
 
-# TODO(muon): switch DEFAULT_OPTIMIZER to "muon" once ragged_optim.optim.Muon has landed.
-DEFAULT_OPTIMIZER = "adamw"
+# The optimizer `ragged-optim train` uses when --optimizer is not given.
+DEFAULT_OPTIMIZER = "muon"
 
 
 def _lazy(name: str) -> Any:
@@ -64,7 +64,9 @@ def _adamw(model: nn.Module, lr: float) -> torch.optim.Optimizer:
 
 
 def _muon(model: nn.Module, lr: float) -> torch.optim.Optimizer:
-    return _lazy("Muon")(_lazy("muon_param_groups")(model), lr=lr)
+    # Hidden matrices get Muon at ``lr``; embeddings, head and 1-D params get AdamW at AdamW's default lr.
+    groups = _lazy("muon_param_groups")(model)
+    return _lazy("Muon")(groups, lr=lr, adamw_lr=OPTIMIZERS["adamw"].default_lr, adamw_betas=(0.9, 0.95))
 
 
 def _shampoo(model: nn.Module, lr: float) -> torch.optim.Optimizer:
@@ -82,7 +84,7 @@ class OptimizerEntry:
 
 
 OPTIMIZERS: dict[str, OptimizerEntry] = {
-    "adamw": OptimizerEntry(_adamw, 3e-3),
+    "adamw": OptimizerEntry(_adamw, 4e-3),
     "muon": OptimizerEntry(_muon, 0.02),
     "shampoo": OptimizerEntry(_shampoo, 3e-3),
     "adamw8bit": OptimizerEntry(_adamw8bit, 3e-3),
@@ -109,7 +111,7 @@ class TrainConfig:
     steps: int = 200
     world_size: int = 4
     preset: str = "small"
-    batch_size: int = 32  # global: every rank gets batch_size // world_size rows
+    batch_size: int = 24  # global: every rank gets batch_size // world_size rows
     seq_len: int | None = None  # None: the preset's
     lr: float | None = None  # None: the optimizer's default in OPTIMIZERS
     warmup_steps: int | None = None  # None: min(20, steps // 10)
@@ -624,6 +626,13 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig, device: str | torch
     opt = make_optimizer(cfg.optimizer, model, cfg.lr)
     for group in opt.param_groups:
         group.setdefault("initial_lr", group["lr"])
+    if rank == 0 and cfg.optimizer == "muon" and not any(g.get("use_muon") and g["params"] for g in opt.param_groups):
+        print(
+            f"warning: Muon found no matrix params under --fsdp {fsdp} (the sharded params it sees are not 2-D); "
+            "every param runs the AdamW rule",
+            file=sys.stderr,
+            flush=True,
+        )
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else min(20, cfg.steps // 10)
 
     ckpt = (

@@ -34,7 +34,19 @@ from ragged_optim.train import (
 )
 
 STEPS = 6
-COMMON = ["--preset", "tiny", "--steps", str(STEPS), "--batch-size", "8", "--seed", "7", "--no-progress"]
+COMMON = [
+    "--optimizer",
+    "adamw",
+    "--preset",
+    "tiny",
+    "--steps",
+    str(STEPS),
+    "--batch-size",
+    "8",
+    "--seed",
+    "7",
+    "--no-progress",
+]
 SUMMARY_KEYS = {
     "final_train_loss",
     "val_loss",
