@@ -1,0 +1,516 @@
+"""Shampoo with blocked preconditioners and grafting, on plain tensors and on ragged-sharded (RaggedShard) params.
+
+The math of one step, for a param viewed as a matrix ``[d0, prod(rest)]`` and tiled into blocks of at most
+``B x B`` (``B = max_preconditioner_dim``), follows the published distributed Shampoo (Shi et al., 2023):
+
+1. decoupled weight decay: ``p *= 1 - lr * weight_decay``;
+2. per tile ``G`` (r x c): ``L = beta2 * L + w * G G^T``, ``R = beta2 * R + w * G^T G`` with ``w = 1 - beta2``
+   (``w = 1`` and a plain sum when ``beta2 == 1``);
+3. every ``precondition_frequency`` steps: ``L^-a``, ``R^-a`` with ``a = 1 / (2 * order) = 1/4`` for matrices
+   (``exponent_override`` replaces a), of ``L + epsilon * I`` (:mod:`ragged_optim.kernels.matrix_root`);
+4. from ``start_preconditioning_step`` on: ``P = L^-a G R^-a``, rescaled per tile to the Frobenius norm of the
+   grafted method's update ``D`` (``P * ||D|| / ||P||``; no rescaling with ``grafting=None``); before it the
+   update is ``D`` itself (the gradient with ``grafting=None`` or ``"sgd"``);
+5. momentum on the update: ``m = beta1 * m + (1 - beta1) * U``, ``U = m / (1 - beta1^t)`` (skipped when
+   ``beta1 == 0``), and ``p -= lr * U``.
+
+1-D params (biases, norm gains) and 0-D scalars are not tiled: they take the grafted method's update (steps 4-5
+with ``P = D``); with ``grafting=None`` they take a diagonal Shampoo (AdaGrad-like) preconditioner,
+``d = beta2 * d + w * g^2``, ``U = g * (d + epsilon)^-a1`` with ``a1 = 1/2`` (or ``exponent_override``). Both are
+elementwise, so they run on any shard as they are.
+
+Placement (ragged-sharded params). Each band of B rows of the matrix view is one layout block
+(``BlockSpec(block=B * cols, period=numel)``, requested in ``__init__``), so the planner keeps bands whole on one
+rank: a rank computes the B x B tiles of every band it holds whole, with no communication, and keeps their
+factor and root matrices. A band the planner had to cut (``split=True`` in ``layout.owned_blocks``) is
+owner-computed: its gradient is gathered to its owner, the owner updates that band's factors and roots and
+computes the band's update, and the update is scattered back; all split bands of one step and process group move
+in one ``all_to_all`` each way (none when nothing is split). Every band's state lives on exactly one rank and
+every band is computed by exactly the same op sequence as on one process, so results do not depend on the world
+size (tests/test_shampoo_sharded.py).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ragged_optim.kernels.matrix_root import RootInverseError, matrix_inverse_root
+from ragged_optim.optim.base import (
+    BlockPlan,
+    full_shape,
+    is_dtensor,
+    local,
+    lock_layouts,
+    process_group,
+    request_block_specs,
+)
+from ragged_optim.sharding import BlockSpec, shard_info
+
+__all__ = ["Shampoo", "GRAFTING_METHODS", "shampoo_band_spec", "matrix_view_shape"]
+
+GRAFTING_METHODS = ("adam", "adagrad", "rmsprop", "sgd", None)
+ROOT_INVERSE_METHODS = ("eigh", "newton")
+
+
+def matrix_view_shape(shape) -> tuple[int, int]:
+    """The ``[d0, prod(rest)]`` matrix a param of ``shape`` (ndim >= 2) is preconditioned as."""
+    shape = tuple(shape)
+    return int(shape[0]), int(math.prod(shape[1:]))
+
+
+def shampoo_band_spec(shape, max_preconditioner_dim: int) -> BlockSpec:
+    """The layout block of a matrix param: bands of ``max_preconditioner_dim`` rows of its matrix view."""
+    d0, cols = matrix_view_shape(shape)
+    numel = max(1, d0 * cols)
+    return BlockSpec(block=max(1, min(max_preconditioner_dim, d0) * cols), period=numel)
+
+
+def _scalar(x: Any) -> float:
+    return x.item() if isinstance(x, Tensor) else float(x)
+
+
+def _tile_groups(cols: int, B: int) -> list[tuple[int, int, int]]:
+    """Column tiles of a band as ``(first column, count, width)`` groups of equal width."""
+    full, tail = divmod(cols, B)
+    groups = []
+    if full:
+        groups.append((0, full, B))
+    if tail:
+        groups.append((full * B, 1, tail))
+    return groups
+
+
+def _factor_weight(beta2: float) -> float:
+    return 1.0 if beta2 == 1.0 else 1.0 - beta2
+
+
+def _graft_direction(g: Tensor, state: dict, t: int, hp: dict) -> Tensor:
+    """The grafted method's update for ``g`` (elementwise; its accumulator lives in ``state['graft']``)."""
+    method = hp["grafting"]
+    if method is None or method == "sgd":
+        return g
+    acc = state.get("graft")
+    if acc is None:
+        acc = state["graft"] = torch.zeros_like(g)
+    eps, b2 = hp["grafting_epsilon"], hp["grafting_beta2"]
+    if method == "adagrad":
+        acc.addcmul_(g, g)
+        denom = acc.sqrt()
+    else:  # rmsprop, adam
+        acc.mul_(b2).addcmul_(g, g, value=1 - b2)
+        denom = acc.sqrt()
+        if method == "adam":
+            denom = denom / math.sqrt(1 - b2**t)
+    return g / denom.add_(eps)
+
+
+def _exponent(hp: dict, order: int) -> float:
+    return hp["exponent_override"] if hp["exponent_override"] is not None else 1.0 / (2 * order)
+
+
+def _new_band_state(rows: int, cols: int, B: int, device) -> dict:
+    st: dict[str, Any] = {"L": [], "R": [], "L_root": [], "R_root": []}
+    for _, n, w in _tile_groups(cols, B):
+        for key, d in (("L", rows), ("R", w)):
+            st[key].append(torch.zeros(n, d, d, dtype=torch.float32, device=device))
+            st[key + "_root"].append(torch.zeros(n, d, d, dtype=torch.float32, device=device))
+    return st
+
+
+def _band_update(g: Tensor, st: dict, t: int, hp: dict, label: str) -> Tensor:
+    """The update of one band ``g`` (``[rows, cols]`` float32) at step t: factors, roots, preconditioning and
+    grafting of each of its tiles. Pure per-band math: the same op sequence wherever the band is computed."""
+    rows, cols = g.shape
+    B = hp["max_preconditioner_dim"]
+    beta2 = hp["betas"][1]
+    weight = _factor_weight(beta2)
+    alpha = _exponent(hp, 2)
+    direction = _graft_direction(g, st, t, hp)
+    precondition = t >= hp["start_preconditioning_step"]
+    recompute = t % hp["precondition_frequency"] == 0
+    out = torch.empty_like(g) if precondition else direction
+    for gi, (c0, n, w) in enumerate(_tile_groups(cols, B)):
+        tiles = g[:, c0 : c0 + n * w].reshape(rows, n, w).transpose(0, 1)  # [n, rows, w]
+        L, R = st["L"][gi], st["R"][gi]
+        if beta2 != 1.0:
+            L.mul_(beta2)
+            R.mul_(beta2)
+        L.baddbmm_(tiles, tiles.mT, alpha=weight)
+        R.baddbmm_(tiles.mT, tiles, alpha=weight)
+        if recompute:
+            for key, stat in (("L_root", L), ("R_root", R)):
+                try:
+                    st[key][gi] = matrix_inverse_root(stat, alpha, hp["epsilon"], hp["root_inverse"])
+                except RootInverseError as e:
+                    warnings.warn(f"Shampoo: {label}: {e}; keeping the previous root", RuntimeWarning, stacklevel=3)
+        if not precondition:
+            continue
+        p = st["L_root"][gi] @ tiles @ st["R_root"][gi]
+        if hp["grafting"] is not None:
+            d = direction[:, c0 : c0 + n * w].reshape(rows, n, w).transpose(0, 1)
+            p_norm = torch.linalg.matrix_norm(p, keepdim=True)
+            d_norm = torch.linalg.matrix_norm(d, keepdim=True)
+            scale = torch.where(p_norm > 0, d_norm / p_norm.clamp(min=torch.finfo(torch.float32).tiny), 0.0)
+            p = p * scale
+        out[:, c0 : c0 + n * w] = p.transpose(0, 1).reshape(rows, n * w)
+    return out
+
+
+def _vector_update(g: Tensor, state: dict, t: int, hp: dict) -> Tensor:
+    """The update of a 1-D or 0-D param (or its local shard): elementwise."""
+    if hp["grafting"] is not None:
+        return _graft_direction(g, state, t, hp)
+    diag = state.get("diag")
+    if diag is None:
+        diag = state["diag"] = torch.zeros_like(g)
+    beta2 = hp["betas"][1]
+    if beta2 != 1.0:
+        diag.mul_(beta2)
+    diag.addcmul_(g, g, value=_factor_weight(beta2))
+    if t < hp["start_preconditioning_step"]:
+        return g
+    return g * (diag + hp["epsilon"]).pow(-_exponent(hp, 1))
+
+
+class Shampoo(torch.optim.Optimizer):
+    """Shampoo with blocked Kronecker-factored preconditioners and grafting (the published distributed Shampoo
+    semantics), for plain tensors and ``ragged_optim.fully_shard`` params. See docs/shampoo.md.
+
+    Args:
+        params: tensors or param groups (any key below may be set per group).
+        lr: learning rate.
+        betas: ``(beta1, beta2)``. beta1: momentum (an EMA with bias correction) on the final, grafted update;
+            0 disables it. beta2: EMA factor of the factor matrices ``L``/``R`` (``L = beta2 L + (1-beta2) G G^T``);
+            ``beta2 == 1`` accumulates a plain sum ``L += G G^T`` (AdaGrad-style Shampoo, the default).
+        epsilon: ``epsilon * I`` is added to each factor matrix before its inverse root, so rank-deficient (or
+            all-zero) statistics give finite roots.
+        weight_decay: decoupled weight decay, ``p *= 1 - lr * weight_decay`` before the update.
+        max_preconditioner_dim: B. Matrices (``[d0, prod(rest)]`` views of params with ndim >= 2) are cut into
+            bands of B rows and each band into tiles of at most B columns; every tile has its own ``L`` (rows x
+            rows) and ``R`` (cols x cols). On ragged-sharded params each band is one layout block.
+        precondition_frequency: the inverse roots are recomputed at steps that are multiples of it (factor
+            matrices are updated every step).
+        start_preconditioning_step: first step whose update is preconditioned; before it the grafted method's
+            update is used alone. ``None`` means ``precondition_frequency``; it must be >= that (so the roots
+            exist when first used).
+        grafting: ``"adam"``, ``"adagrad"``, ``"rmsprop"``, ``"sgd"`` or ``None``. Each tile's preconditioned
+            update is rescaled to the Frobenius norm of this elementwise method's update for the tile (the
+            layer-wise learning-rate schedule of the grafted method, the direction of Shampoo). ``None``: no
+            rescaling (and plain gradient steps before ``start_preconditioning_step``).
+        grafting_beta2: EMA factor of the rmsprop/adam second moment (adagrad sums).
+        grafting_epsilon: added to the square root of the grafted second moment.
+        root_inverse: ``"eigh"`` (eigendecomposition in float32, float64 retry on failure) or ``"newton"`` (the
+            coupled Newton iteration in float32; needs the exponent to be 1/p for an integer p).
+        exponent_override: replaces the root exponent ``1/(2 * order)`` (1/4 for matrices, 1/2 for the diagonal
+            preconditioner of 1-D params without grafting): the roots are ``L^-e``, ``R^-e``.
+
+    1-D and 0-D params take the grafted method's update (a diagonal AdaGrad-like preconditioner with
+    ``grafting=None``). State per matrix param: ``step``, ``momentum`` (local elements) and ``bands``: for each
+    band computed on this rank, ``L``, ``R``, ``L_root``, ``R_root`` (lists of ``[tiles, d, d]`` stacks, one per
+    tile width) and ``graft`` (the band's grafting accumulator). Params whose grad is None are skipped.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-2,
+        betas: tuple[float, float] = (0.9, 1.0),
+        epsilon: float = 1e-12,
+        weight_decay: float = 0.0,
+        max_preconditioner_dim: int = 1024,
+        precondition_frequency: int = 1,
+        start_preconditioning_step: int | None = None,
+        grafting: str | None = "adam",
+        grafting_beta2: float = 0.999,
+        grafting_epsilon: float = 1e-10,
+        root_inverse: str = "eigh",
+        exponent_override: float | None = None,
+    ) -> None:
+        defaults = dict(
+            lr=lr,
+            betas=tuple(betas),
+            epsilon=epsilon,
+            weight_decay=weight_decay,
+            max_preconditioner_dim=max_preconditioner_dim,
+            precondition_frequency=precondition_frequency,
+            start_preconditioning_step=start_preconditioning_step,
+            grafting=grafting,
+            grafting_beta2=grafting_beta2,
+            grafting_epsilon=grafting_epsilon,
+            root_inverse=root_inverse,
+            exponent_override=exponent_override,
+        )
+        super().__init__(params, defaults)
+        request_block_specs(
+            [
+                (p, shampoo_band_spec(full_shape(p), g["max_preconditioner_dim"]))
+                for g in self.param_groups
+                for p in g["params"]
+                if len(full_shape(p)) >= 2
+            ]
+        )
+
+    # ------------------------------------------------------------------ groups and checks
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if isinstance(param_group.get("params"), set):
+            raise TypeError("Shampoo params must be an ordered collection (a list), not a set")
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
+            self._validate_group(group)
+            self._check_params(len(self.param_groups) - 1, group)
+        except (ValueError, TypeError):
+            self.param_groups.pop()
+            raise
+
+    @staticmethod
+    def _validate_group(g: dict[str, Any]) -> None:
+        if not _scalar(g["lr"]) >= 0.0:
+            raise ValueError(f"lr must be >= 0, got {g['lr']}")
+        g["betas"] = tuple(g["betas"])
+        b1, b2 = g["betas"]
+        if not (0.0 <= b1 < 1.0 and 0.0 < b2 <= 1.0):
+            raise ValueError(f"betas must satisfy 0 <= beta1 < 1 and 0 < beta2 <= 1, got {g['betas']}")
+        if not g["epsilon"] > 0.0:
+            raise ValueError(f"epsilon must be > 0 (it keeps the inverse roots finite), got {g['epsilon']}")
+        if not g["weight_decay"] >= 0.0:
+            raise ValueError(f"weight_decay must be >= 0, got {g['weight_decay']}")
+        B = g["max_preconditioner_dim"]
+        if not isinstance(B, int) or B < 1:
+            raise ValueError(f"max_preconditioner_dim must be an int >= 1, got {B!r}")
+        f = g["precondition_frequency"]
+        if not isinstance(f, int) or f < 1:
+            raise ValueError(f"precondition_frequency must be an int >= 1, got {f!r}")
+        if g["start_preconditioning_step"] is None:
+            g["start_preconditioning_step"] = f
+        s = g["start_preconditioning_step"]
+        if not isinstance(s, int) or s < f:
+            raise ValueError(
+                f"start_preconditioning_step must be an int >= precondition_frequency ({f}) so that the roots "
+                f"exist when first used, got {s!r}"
+            )
+        if g["grafting"] not in GRAFTING_METHODS:
+            raise ValueError(f"grafting must be one of {GRAFTING_METHODS}, got {g['grafting']!r}")
+        if not 0.0 < g["grafting_beta2"] <= 1.0:
+            raise ValueError(f"grafting_beta2 must be in (0, 1], got {g['grafting_beta2']}")
+        if not g["grafting_epsilon"] > 0.0:
+            raise ValueError(f"grafting_epsilon must be > 0, got {g['grafting_epsilon']}")
+        if g["root_inverse"] not in ROOT_INVERSE_METHODS:
+            raise ValueError(f"root_inverse must be one of {ROOT_INVERSE_METHODS}, got {g['root_inverse']!r}")
+        e = g["exponent_override"]
+        if e is not None and not (isinstance(e, int | float) and e > 0):
+            raise ValueError(f"exponent_override must be None or a number > 0, got {e!r}")
+        if g["root_inverse"] == "newton":
+            for alpha in (e,) if e is not None else (0.25, 0.5):
+                if abs(1 / alpha - round(1 / alpha)) > 1e-9:
+                    raise ValueError(
+                        f"root_inverse='newton' computes A^(-1/p) for an integer p; exponent {alpha} is not 1/p: "
+                        "use root_inverse='eigh' for it"
+                    )
+
+    def _param_label(self, gi: int, i: int) -> str:
+        group = self.param_groups[gi]
+        p = group["params"][i]
+        names = group.get("param_names")
+        named = f" ({names[i]!r})" if names else ""
+        return f"param_groups[{gi}]['params'][{i}]{named} with shape {tuple(full_shape(p))}"
+
+    def _check_params(self, gi: int, group: dict[str, Any]) -> None:
+        for i, p in enumerate(group["params"]):
+            if is_dtensor(p):
+                raise ValueError(
+                    f"{self._param_label(gi, i)} is a torch DTensor (torch FSDP2); Shampoo supports plain tensors and "
+                    "ragged_optim.fully_shard params. Shard the model with ragged_optim.fully_shard instead of "
+                    "torch.distributed.fsdp.fully_shard."
+                )
+            if p.is_complex():
+                raise ValueError(
+                    f"{self._param_label(gi, i)} is complex ({p.dtype}); Shampoo supports real params only: view it "
+                    "as real (torch.view_as_real) in the model, or optimize it with torch.optim.Adam."
+                )
+            if not p.is_floating_point():
+                raise ValueError(f"{self._param_label(gi, i)} has dtype {p.dtype}; Shampoo needs floating params")
+            if math.prod(full_shape(p)) == 0:
+                raise ValueError(
+                    f"{self._param_label(gi, i)} has no elements; Shampoo has nothing to precondition. Leave it out "
+                    "of the optimizer (it has nothing to learn)."
+                )
+
+    def _grad_of(self, gi: int, i: int, p: Tensor) -> Tensor | None:
+        grad = p.grad
+        if grad is None:
+            return None
+        if grad.is_sparse:
+            raise ValueError(
+                f"{self._param_label(gi, i)} has a sparse gradient; Shampoo needs dense gradients (use "
+                "nn.Embedding(..., sparse=False), or torch.optim.SparseAdam for that param)."
+            )
+        if grad.is_complex():
+            raise ValueError(f"{self._param_label(gi, i)} has a complex gradient; Shampoo supports real params only")
+        return local(grad)
+
+    # ------------------------------------------------------------------ band bookkeeping
+
+    @staticmethod
+    def _band_geometry(p: Tensor, B: int) -> tuple[int, int, int]:
+        """(rows, cols, elements per full band) of a matrix param."""
+        d0, cols = matrix_view_shape(full_shape(p))
+        return d0, cols, min(B, d0) * cols
+
+    def _band(self, p: Tensor, k: int, group: dict, device) -> dict:
+        bands = self.state[p].setdefault("bands", {})
+        if k not in bands:
+            d0, cols, _ = self._band_geometry(p, group["max_preconditioner_dim"])
+            B = group["max_preconditioner_dim"]
+            rows = min(B, d0 - k * B)
+            bands[k] = _new_band_state(rows, cols, B, device)
+        return bands[k]
+
+    def _compute_band(self, p: Tensor, k: int, g_flat: Tensor, group: dict, label: str) -> Tensor:
+        d0, cols, _ = self._band_geometry(p, group["max_preconditioner_dim"])
+        st = self._band(p, k, group, g_flat.device)
+        t = int(self.state[p]["step"].item())
+        g = g_flat.to(torch.float32).reshape(-1, cols)
+        return _band_update(g, st, t, group, f"{label} band {k}").reshape(-1)
+
+    def _local_range(self, p: Tensor) -> tuple[int, int]:
+        info = shard_info(p)
+        return info.local_range if info is not None else (0, p.numel())
+
+    def _local_bands(self, p: Tensor, group: dict) -> list[tuple[int, int, int]]:
+        """``(band index, start, end)`` (tensor-local flat) of the bands this rank holds whole."""
+        d0, cols, per = self._band_geometry(p, group["max_preconditioner_dim"])
+        numel = d0 * cols
+        lo, hi = self._local_range(p)
+        out = []
+        for k in range(lo // per, -(-hi // per) if hi > lo else 0):
+            s, e = k * per, min((k + 1) * per, numel)
+            if s >= lo and e <= hi:
+                out.append((k, s, e))
+        return out
+
+    def preconditioner_bytes(self) -> int:
+        """Bytes of factor and root matrices this rank holds (its share of the preconditioner memory)."""
+        total = 0
+        for st in self.state.values():
+            for band in st.get("bands", {}).values():
+                for key in ("L", "R", "L_root", "R_root"):
+                    total += sum(t.numel() * t.element_size() for t in band[key])
+        return total
+
+    # ------------------------------------------------------------------ step
+
+    def _matrix_updates(self, items: list[tuple]) -> list[Tensor]:
+        """Per item ``(p, grad_local, group, label)``: this rank's flat update of p's local elements."""
+        out: list[Tensor] = []
+        for p, grad, group, label in items:
+            lo, _ = self._local_range(p)
+            g_flat = grad.reshape(-1)
+            u = torch.zeros(g_flat.numel(), dtype=torch.float32, device=g_flat.device)
+            for k, s, e in self._local_bands(p, group):
+                u[s - lo : e - lo] = self._compute_band(p, k, g_flat[s - lo : e - lo], group, label)
+            out.append(u)
+        by_group: dict[int, tuple[Any, list[int]]] = {}
+        for j, (p, *_rest) in enumerate(items):
+            pg = process_group(p)
+            if pg is not None:
+                by_group.setdefault(id(pg), (pg, []))[1].append(j)
+        for pg, idx in by_group.values():
+            self._split_bands(pg, idx, items, out)
+        return out
+
+    def _split_bands(self, pg, idx: list[int], items: list[tuple], out: list[Tensor]) -> None:
+        """Owner-computed (split) bands of one process group: one gather, the owners compute, one scatter."""
+        params = [items[j][0] for j in idx]
+        plan = self._block_plan(pg, params, [items[j][2] for j in idx])
+        if not plan.routes:
+            return
+        pieces: dict[int, Tensor] = {}
+        for k, j in enumerate(idx):
+            pieces.update(plan.local_pieces(k, items[j][1].reshape(-1)))
+        full = plan.exchange.gather([pieces.get(r) for r in range(len(plan.routes))])
+        results = {}
+        for k, j in enumerate(idx):
+            p, _, group, label = items[j]
+            per = self._band_geometry(p, group["max_preconditioner_dim"])[2]
+            for ri, s, _e in plan.item_routes[k]:
+                if ri in full:
+                    results[ri] = self._compute_band(p, s // per, full[ri], group, label)
+        back = plan.exchange.scatter(results)
+        for k, j in enumerate(idx):
+            lo, hi = plan.my_range[k]
+            for ri, s, e in plan.item_routes[k]:
+                a, b = max(lo, s), min(hi, e)
+                if b > a:
+                    out[j][a - lo : b - lo] = back[ri].to(torch.float32)
+
+    def _block_plan(self, pg, params: list[Tensor], groups: list[dict]) -> BlockPlan:
+        """Routes of the split bands are fixed while the layouts are: cache them by the param set."""
+        cache = self.__dict__.setdefault("_block_plans", {})
+        key = (id(pg), tuple(id(p) for p in params))
+        if key not in cache:
+            B = {id(p): g["max_preconditioner_dim"] for p, g in zip(params, groups)}
+            cache[key] = BlockPlan(
+                params,
+                lambda p: shampoo_band_spec(full_shape(p), B[id(p)]),
+                lambda p: matrix_view_shape(full_shape(p)),
+                pg,
+            )
+        return cache[key]
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        """One optimizer step; ``closure`` (optional) re-evaluates the model and returns the loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if not self.__dict__.get("_layouts_locked"):
+            lock_layouts(p for g in self.param_groups for p in g["params"])
+            self._layouts_locked = True
+        todo: list[tuple[Tensor, Tensor, dict, Tensor]] = []  # (param, grad, group, local flat update)
+        matrix_items: list[tuple] = []
+        for gi, group in enumerate(self.param_groups):
+            for i, p in enumerate(group["params"]):
+                grad = self._grad_of(gi, i, p)
+                if grad is None:
+                    continue
+                state = self.state[p]
+                if "step" not in state:
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                state["step"] += 1
+                if len(full_shape(p)) >= 2:
+                    matrix_items.append((p, grad, group, self._param_label(gi, i)))
+                else:
+                    t = int(state["step"].item())
+                    todo.append((p, grad, group, _vector_update(grad.to(torch.float32), state, t, group)))
+        if matrix_items:
+            for (p, grad, group, _), u in zip(matrix_items, self._matrix_updates(matrix_items)):
+                todo.append((p, grad, group, u))
+        for p, _grad, group, u in todo:
+            self._apply(p, u, group)
+        return loss
+
+    def _apply(self, p: Tensor, u: Tensor, group: dict) -> None:
+        """Momentum (elementwise on local elements), decoupled weight decay and the lr step."""
+        state = self.state[p]
+        lp = local(p)
+        u = u.reshape(lp.shape)
+        beta1 = group["betas"][0]
+        if beta1 > 0:
+            if "momentum" not in state:
+                state["momentum"] = torch.zeros(lp.shape, dtype=torch.float32, device=lp.device)
+            m = state["momentum"]
+            m.mul_(beta1).add_(u, alpha=1 - beta1)
+            u = m / (1 - beta1 ** int(state["step"].item()))
+        lr = _scalar(group["lr"])
+        if group["weight_decay"] != 0:
+            lp.mul_(1 - lr * group["weight_decay"])
+        lp.add_(u.to(lp.dtype), alpha=-lr)
