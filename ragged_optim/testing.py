@@ -1,0 +1,176 @@
+"""Property-test a sharded optimizer (ours or yours) against its one-process run.
+
+    from ragged_optim.testing import assert_sharded_matches_single, world_sizes
+    from hypothesis import given
+
+    @given(world_size=world_sizes(max_size=6))
+    def test_my_optimizer(world_size):
+        assert_sharded_matches_single(make_model, lambda m: MyOptimizer(m.parameters()), world_size=world_size)
+
+The helpers run real gloo ranks on this machine (``run_on_ranks``); the one-process run is the reference.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ragged_optim.comm.launch import RankFailure, run_on_ranks
+from ragged_optim.sharding import full_tensor, fully_shard, shard_info
+
+__all__ = [
+    "RankFailure",
+    "ShardedMismatch",
+    "assert_sharded_matches_single",
+    "default_grad",
+    "matrix_shapes",
+    "run_on_ranks",
+    "world_sizes",
+]
+
+
+def world_sizes(min_size: int = 1, max_size: int = 8):
+    """A hypothesis strategy for world sizes, odd ones included."""
+    from hypothesis import strategies as st
+
+    return st.integers(min_size, max_size)
+
+
+def matrix_shapes(max_dim: int = 48, stacks: bool = True):
+    """A hypothesis strategy for param shapes: tall, wide, 1 x N, N x 1, and (optionally) [E, R, C] stacks."""
+    from hypothesis import strategies as st
+
+    mats = st.tuples(st.integers(1, max_dim), st.integers(1, max_dim))
+    if not stacks:
+        return mats
+    return st.one_of(mats, st.tuples(st.integers(1, 4), st.integers(1, max_dim // 2), st.integers(1, max_dim // 2)))
+
+
+def default_grad(step: int, name: str, shape: torch.Size) -> torch.Tensor:
+    """A deterministic full gradient for (step, param name), the same in every process."""
+    g = torch.Generator().manual_seed(zlib.crc32(f"{name}:{step}".encode()))
+    return torch.randn(*shape, generator=g)
+
+
+class ShardedMismatch(AssertionError):
+    """The sharded run left the one-process run; the message names the first step and param that differ."""
+
+
+@dataclass
+class _Diff:
+    step: int
+    name: str
+    shape: tuple
+    max_abs: float
+    index: tuple
+    sharded: float
+    single: float
+
+
+def _snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: full_tensor(p).detach().clone() for n, p in model.named_parameters()}
+
+
+def _set_grads(model: nn.Module, step: int, grad_fn) -> None:
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        info = shard_info(p)
+        full_shape = info.shape if info is not None else p.shape
+        g = grad_fn(step, name, full_shape).to(p.dtype)
+        if info is not None:
+            lo, hi = info.local_range
+            p.grad = g.reshape(-1)[lo:hi].clone()
+        elif hasattr(p, "device_mesh"):
+            from torch.distributed.tensor import distribute_tensor
+
+            p.grad = distribute_tensor(g, p.device_mesh, p.placements)
+        else:
+            p.grad = g
+
+
+def _run(model_fn, optimizer_fn, steps, grad_fn, shard_fn=None):
+    model = model_fn()
+    if shard_fn is not None:
+        shard_fn(model)
+    opt = optimizer_fn(model)
+    history = []
+    for step in range(steps):
+        _set_grads(model, step, grad_fn)
+        opt.step()
+        opt.zero_grad()
+        history.append(_snapshot(model))
+    return history
+
+
+def _sharded(rank, world_size, model_fn, optimizer_fn, steps, grad_fn, shard_fn):
+    history = _run(model_fn, optimizer_fn, steps, grad_fn, shard_fn)
+    return history if rank == 0 else None
+
+
+def _ragged_shard(model: nn.Module) -> None:
+    fully_shard(model)
+
+
+def _first_mismatch(sharded, single, rtol, atol) -> _Diff | None:
+    for step, (a_step, b_step) in enumerate(zip(sharded, single)):
+        for name, b in b_step.items():
+            a = a_step[name]
+            diff = (a - b).abs()
+            bound = atol + rtol * b.abs()
+            if diff.numel() and bool((diff > bound).any()):
+                flat = int(torch.argmax(diff - bound))
+                index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), b.shape)) if b.ndim else ()
+                return _Diff(
+                    step,
+                    name,
+                    tuple(b.shape),
+                    float(diff.max()),
+                    index,
+                    float(a.reshape(-1)[flat]),
+                    float(b.reshape(-1)[flat]),
+                )
+    return None
+
+
+def assert_sharded_matches_single(
+    model_fn: Callable[[], nn.Module],
+    optimizer_fn: Callable[[nn.Module], torch.optim.Optimizer],
+    *,
+    world_size: int,
+    steps: int = 3,
+    rtol: float = 0.0,
+    atol: float = 0.0,
+    grad_fn: Callable[[int, str, torch.Size], torch.Tensor] = default_grad,
+    shard_fn: Callable[[nn.Module], None] | None = None,
+    timeout_s: float = 120.0,
+) -> None:
+    """Run ``optimizer_fn(model)`` for ``steps`` steps on one process and on ``world_size`` gloo ranks with the
+    model sharded by ``shard_fn`` (default: ``ragged_optim.fully_shard(model)``; pass one that calls torch's
+    ``fully_shard`` to test FSDP2), feeding both the same full gradients (``grad_fn(step, name, shape)``; each
+    rank gets its slice). Params are compared after every step; the first one outside ``atol + rtol * |single|``
+    raises ``ShardedMismatch`` with its step, name, index and both values.
+
+    ``model_fn`` must build the same model in every process (seed inside it)."""
+    single = _run(model_fn, optimizer_fn, steps, grad_fn)
+    sharded = run_on_ranks(
+        _sharded,
+        world_size,
+        model_fn,
+        optimizer_fn,
+        steps,
+        grad_fn,
+        shard_fn or _ragged_shard,
+        timeout_s=timeout_s,
+    )[0]
+    d = _first_mismatch(sharded, single, rtol, atol)
+    if d is not None:
+        raise ShardedMismatch(
+            f"sharded run (world_size={world_size}) differs from the one-process run at step {d.step}, "
+            f"param {d.name!r} {d.shape}: max |diff| {d.max_abs:.3g}; at index {d.index} sharded {d.sharded:.9g} vs "
+            f"single {d.single:.9g} (rtol={rtol}, atol={atol})"
+        )

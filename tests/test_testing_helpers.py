@@ -1,0 +1,56 @@
+"""ro.testing: the public equivalence assertion passes for correct optimizers and names the first mismatch."""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from torch import nn
+
+from ragged_optim.optim import Muon
+from ragged_optim.testing import ShardedMismatch, assert_sharded_matches_single, world_sizes
+
+
+def make_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(13, 7), nn.Linear(7, 3))
+
+
+class LocalNormSGD(torch.optim.Optimizer):
+    """Normalises each grad by its norm: correct on one process, wrong on shards (it sees only local norms)."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self):
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is not None and p.grad.numel():
+                    p.add_(p.grad / p.grad.norm(), alpha=-g["lr"])
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
+@given(world_size=world_sizes(1, 5))
+def test_elementwise_adamw_matches_bitwise(world_size):
+    assert_sharded_matches_single(
+        make_model, lambda m: torch.optim.AdamW(m.parameters(), lr=0.1), world_size=world_size
+    )
+
+
+def test_muon_matches_with_fp32_newton_schulz():
+    opt = lambda m: Muon(m.parameters(), ns_dtype=torch.float32)
+    assert_sharded_matches_single(make_model, opt, world_size=3, rtol=1e-6, atol=1e-7)
+
+
+def test_a_shard_dependent_optimizer_is_caught_with_a_readable_report():
+    with pytest.raises(ShardedMismatch, match=r"step 0, param '\d\.(weight|bias)'.*at index"):
+        assert_sharded_matches_single(make_model, lambda m: LocalNormSGD(m.parameters()), world_size=3)
+
+
+def test_torch_fsdp2_params_through_shard_fn():
+    def fsdp2(model):
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model)
+
+    opt = lambda m: torch.optim.AdamW(m.parameters(), lr=0.1)
+    assert_sharded_matches_single(make_model, opt, world_size=2, shard_fn=fsdp2)
