@@ -1,15 +1,17 @@
 """ragged-optim: Muon, Shampoo and 8-bit AdamW on a RaggedShard FSDP layer.
 
-    import ragged_optim as ro
-    for block in model.layers:
-        ro.fully_shard(block)
-    ro.fully_shard(model)
-    opt = ro.Muon(ro.muon_param_groups(model), lr=0.02)
+import ragged_optim as ro
+for block in model.layers:
+    ro.fully_shard(block)
+ro.fully_shard(model)
+opt = ro.Muon(ro.muon_param_groups(model), lr=0.02)
 """
 
 from ragged_optim.optim import Muon, muon_param_groups
 from ragged_optim.sharding import (
     BlockSpec,
+    CommPolicy,
+    QuantizedAllGather,
     clip_grad_norm_,
     full_tensor,
     fully_shard,
@@ -22,6 +24,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BlockSpec",
+    "CommPolicy",
+    "QuantizedAllGather",
     "Muon",
     "clip_grad_norm_",
     "full_tensor",

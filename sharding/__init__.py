@@ -1,5 +1,6 @@
 """Sharding layer: block specs, the planner, flat buffers, fully_shard, state dicts."""
 
+from ragged_optim.sharding.comm_policy import CommPolicy, QuantizedAllGather
 from ragged_optim.sharding.fully_shard import RaggedFSDPModule, fully_shard, units_of
 from ragged_optim.sharding.grad_norm import clip_grad_norm_, total_grad_norm
 from ragged_optim.sharding.layout import BlockSpec, Layout, OwnedBlock
@@ -9,6 +10,8 @@ from ragged_optim.sharding.state_dict import get_full_state_dict, load_full_stat
 
 __all__ = [
     "BlockSpec",
+    "CommPolicy",
+    "QuantizedAllGather",
     "Layout",
     "OwnedBlock",
     "RaggedFSDPModule",

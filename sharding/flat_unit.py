@@ -15,6 +15,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ragged_optim.comm.collectives import all_gather_flat, reduce_scatter_flat
+from ragged_optim.comm.quantized import quantized_all_gather, quantized_reduce_scatter
+from ragged_optim.sharding.comm_policy import CommPolicy
 from ragged_optim.sharding.layout import BlockSpec, Layout
 from ragged_optim.sharding.planner import TensorSpec, plan_unit
 from ragged_optim.sharding.sharded_param import _INFO_ATTR, ShardInfo
@@ -28,8 +30,11 @@ def default_block_spec(param: torch.Tensor) -> BlockSpec:
 
 
 class FlatUnit:
-    def __init__(self, module: nn.Module, params: list[nn.Parameter], names: list[str], refs, group, mp_policy):
+    def __init__(
+        self, module: nn.Module, params: list[nn.Parameter], names: list[str], refs, group, mp_policy, comm_policy=None
+    ):
         self.module = module
+        self.comm_policy = comm_policy or CommPolicy()
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -75,10 +80,17 @@ class FlatUnit:
         return plan_unit(
             tensors,
             self.world_size,
-            alignment=max(ALIGNMENT_BYTES, self._itemsize_lcm()),
+            alignment=self._alignment(itemsize),
             allow_split=self.allow_split,
             compute_load=compute_load,
         )
+
+    def _alignment(self, itemsize: int) -> int:
+        """Bytes: the collective alignment, both buffers' dtypes, and whole quantization blocks per rank."""
+        a = max(ALIGNMENT_BYTES, self._itemsize_lcm())
+        if self.comm_policy.quantized:
+            a = max(a, self.comm_policy.block_size * itemsize)
+        return a
 
     def _itemsize_lcm(self) -> int:
         # The local shard (master dtype) and the unsharded buffer (param dtype) both need aligned S.
@@ -170,9 +182,16 @@ class FlatUnit:
             return
         if self.unsharded.untyped_storage().size() == 0:
             self.unsharded.untyped_storage().resize_(self._storage_nbytes)
-        src = self.local_shard if self.param_dtype == self.dtype else self.local_shard.to(self.param_dtype)
         version = self.unsharded._version
-        work = all_gather_flat(self.unsharded, src, group=self.group, async_op=True)
+        fmt = self.comm_policy.param_all_gather
+        if fmt != "full":  # quantize the fp32 master shard; the receiver dequantizes into the param dtype
+            src = self.local_shard
+            work = quantized_all_gather(
+                self.unsharded, src, fmt, self.comm_policy.block_size, group=self.group, async_op=True
+            )
+        else:
+            src = self.local_shard if self.param_dtype == self.dtype else self.local_shard.to(self.param_dtype)
+            work = all_gather_flat(self.unsharded, src, group=self.group, async_op=True)
         self.pending_gather = (work, src, version)
 
     def wait_unshard(self):
@@ -228,9 +247,17 @@ class FlatUnit:
         if self.grad_buf is None or not self.requires_grad_sync:
             return
         self.collect_stray_grads()
-        full = self.grad_buf if self.reduce_dtype == self.param_dtype else self.grad_buf.to(self.reduce_dtype)
-        out = torch.empty(self.layout.shard_size, dtype=self.reduce_dtype, device=self.device)
-        work = reduce_scatter_flat(out, full, group=self.group, async_op=True)
+        mode = self.comm_policy.grad_reduce
+        if mode == "int8":
+            full = self.grad_buf
+            out = torch.empty(self.layout.shard_size, dtype=torch.float32, device=self.device)
+            quantized_reduce_scatter(out, full, "int8", self.comm_policy.block_size, group=self.group)
+            work = None
+        else:
+            dtype = torch.bfloat16 if mode == "bf16" else self.reduce_dtype
+            full = self.grad_buf if dtype == self.param_dtype else self.grad_buf.to(dtype)
+            out = torch.empty(self.layout.shard_size, dtype=dtype, device=self.device)
+            work = reduce_scatter_flat(out, full, group=self.group, async_op=True)
         self.pending_reduce = (work, out, full)
         for up in self.unsharded_params:
             up.grad = None
@@ -240,7 +267,8 @@ class FlatUnit:
         if self.pending_reduce is None:
             return
         work, out, _ = self.pending_reduce
-        work.wait()
+        if work is not None:
+            work.wait()
         self.pending_reduce = None
         out = out.to(self.dtype).div_(self.world_size)
         fresh = all(sp.grad is None for sp, rg in zip(self.sharded_params, self.requires_grad) if rg)

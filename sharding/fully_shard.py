@@ -133,13 +133,22 @@ def _check_params(module: nn.Module, params, names):
                 )
 
 
-def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = True, mp_policy=None, block_policy=None):
+def fully_shard(
+    module: nn.Module,
+    *,
+    mesh=None,
+    reshard_after_forward: bool = True,
+    mp_policy=None,
+    block_policy=None,
+    comm_policy=None,
+):
     """Shard ``module``'s params (those no inner ``fully_shard`` owns) into one RaggedShard unit; returns module.
 
     ``mesh``: a 1-D DeviceMesh or a ProcessGroup (default: the world). ``mp_policy``: torch's
     ``MixedPrecisionPolicy`` (param_dtype for compute and all-gather, reduce_dtype for the reduce-scatter; the
     sharded master params keep the module's dtype). ``block_policy``: ``fn(name, param) -> BlockSpec | None``,
     which blocks an optimizer needs whole; our optimizers re-plan this for you when they are constructed.
+    ``comm_policy``: a ``CommPolicy`` (e.g. ``QuantizedAllGather("int8")``) for quantized communication.
     Non-contiguous params are accepted (their values are copied into the flat buffer). A module with no params of
     its own makes an empty unit that communicates nothing.
     """
@@ -148,7 +157,7 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
     group = _resolve_group(mesh)
     params, names, refs = _collect_params(module)
     _check_params(module, params, names)
-    unit = FlatUnit(module, params, names, refs, group, mp_policy)
+    unit = FlatUnit(module, params, names, refs, group, mp_policy, comm_policy)
     if block_policy is not None:
         specs = {i: s for i, (n, p) in enumerate(zip(names, params)) if (s := block_policy(n, p)) is not None}
         unit.relayout(specs)
