@@ -1,0 +1,121 @@
+"""`ragged-optim bench NAME [--world-size W] [--steps N] [--json] [--out FILE]`.
+
+NAME is one of the benchmark modules present under ``ragged_optim.bench`` or ``all``. ``--json`` prints exactly
+one JSON object on stdout (the benchmark's dict; for ``all``, ``{name: dict}``); without it a readable table.
+``--out``: for one benchmark, a file to write the JSON to; for ``all``, a folder (default ``benchmarks/results``)
+that receives ``latest.json`` and ``latest.md`` (with the machine: CPU count, torch version, date).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import importlib.util
+import json
+import os
+import sys
+import time
+
+#: Every benchmark the CLI knows of, in the order ``bench all`` runs them; a module that is not there yet is
+#: listed as unavailable.
+BENCHMARKS = ("fsdp", "muon", "shampoo", "adamw8bit", "comm", "hsdp")
+DEFAULT_OUT_DIR = os.path.join("benchmarks", "results")
+
+
+def _module_name(name: str) -> str:
+    return f"{__package__}.{name}"
+
+
+def available() -> list[str]:
+    """The benchmark modules present (found without importing them)."""
+    out = []
+    for name in BENCHMARKS:
+        try:
+            if importlib.util.find_spec(_module_name(name)) is not None:
+                out.append(name)
+        except (ImportError, ValueError):
+            continue
+    return out
+
+
+def run_benchmark(name: str, world_size: int | None = None, steps: int | None = None, **kw) -> dict:
+    """Import ``ragged_optim.bench.<name>`` and call its ``run``; None arguments keep the module's defaults."""
+    if name not in BENCHMARKS:
+        raise ValueError(f"unknown benchmark {name!r}; choose one of {list(BENCHMARKS)}")
+    try:
+        module = importlib.import_module(_module_name(name))
+    except ModuleNotFoundError as e:
+        if e.name == _module_name(name):
+            raise ValueError(f"benchmark {name!r} is not available here; available: {available()}") from None
+        raise
+    if world_size is not None:
+        kw["world_size"] = world_size
+    if steps is not None:
+        kw["steps"] = steps
+    return module.run(**kw)
+
+
+def _write_json(path: str, obj) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1, default=str)
+        f.write("\n")
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from ragged_optim.bench.common import format_table, machine_info, markdown_report
+
+    names = available() if args.name == "all" else [args.name]
+    if args.name != "all" and args.name not in available():
+        print(f"benchmark {args.name!r} is not available here; available: {', '.join(available())}", file=sys.stderr)
+        return 2
+    results: dict[str, dict] = {}
+    failed = False
+    # Anything a benchmark (or a forked rank) prints goes to stderr, so that stdout holds only the result.
+    with contextlib.redirect_stdout(sys.stderr):
+        for name in names:
+            t0 = time.perf_counter()
+            try:
+                results[name] = run_benchmark(name, args.world_size, args.steps)
+            except Exception as e:
+                if args.name != "all":
+                    raise
+                failed = True
+                results[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+            print(f"[bench] {name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    payload = results if args.name == "all" else results[args.name]
+    if args.name == "all":
+        out_dir = args.out or DEFAULT_OUT_DIR
+        _write_json(os.path.join(out_dir, "latest.json"), payload)
+        with open(os.path.join(out_dir, "latest.md"), "w") as f:
+            f.write(markdown_report(results, machine_info()) + "\n")
+        print(f"[bench] wrote {out_dir}/latest.json and latest.md", file=sys.stderr)
+    elif args.out:
+        _write_json(args.out, payload)
+    if args.json:
+        print(json.dumps(payload, default=str))
+    else:
+        for name, res in results.items():
+            print(format_table(res, title=f"bench {name}"))
+            print()
+    return 1 if failed else 0
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    have = available()
+    missing = [n for n in BENCHMARKS if n not in have]
+    listing = f"available: {', '.join(have) or 'none'}" + (f"; unavailable: {', '.join(missing)}" if missing else "")
+    p = subparsers.add_parser(
+        "bench",
+        help="benchmarks against the peer (torch FSDP2, torch.optim.Muon, ...) in the same run",
+        description=f"{__doc__}\nBenchmarks {listing}.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("name", choices=[*BENCHMARKS, "all"], metavar="NAME", help=f"{listing}; or 'all'")
+    p.add_argument("--world-size", type=int, default=None, help="number of gloo ranks (default: the benchmark's, 4)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps (default: the benchmark's)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--out", default=None, help="JSON file (one benchmark) or folder (all; default benchmarks/results)")
+    p.set_defaults(func=cmd_bench)
+    return p

@@ -1,0 +1,147 @@
+"""`bench fsdp`: one training step of a ~20M-param GPT with torch.optim.AdamW, our RaggedShard ``fully_shard``
+against PyTorch FSDP2's ``fully_shard``, in the same ``run_on_ranks`` call.
+
+Both models come from the same seed and see the same per-rank batches. Step k runs ours then FSDP2 for even k,
+FSDP2 then ours for odd k, so drifting machine load hits both alike. Step 0 is a warmup, step 1 is counted
+(``count_all_collectives`` around forward + backward + ``opt.step()``) and the rest are timed (barrier on each
+side; the reported time is the median). Afterwards rank 0 replays every step in one process (each rank's rows as a
+micro-batch, so the gradient sum has the same terms) and compares our full params with it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ragged_optim.bench.common import count_all_collectives, median, timed
+from ragged_optim.comm.launch import run_on_ranks
+from ragged_optim.data import get_batch
+from ragged_optim.models import build_model, get_config, num_params
+
+DESCRIPTION = "GPT (bench20m) + AdamW step: ours vs torch FSDP2 (time, collectives, bytes, parity)"
+
+
+def _train_step(model, opt, x, y):
+    model(x, y).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def _shard_ours(model):
+    from ragged_optim.sharding import fully_shard
+
+    for block in model.layers:
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+def _shard_fsdp2(model, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _adamw(model, lr):
+    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+
+
+def _rank(rank, world_size, cfg, batch_size, steps, lr, compare_single):
+    from ragged_optim.sharding import full_tensor
+
+    batches = [get_batch("train", batch_size, cfg.seq_len, s, rank, world_size) for s in range(steps + 2)]
+    ours = _shard_ours(build_model(cfg, seed=0))
+    fsdp2 = _shard_fsdp2(build_model(cfg, seed=0), world_size)
+    sides = {"ours": (ours, _adamw(ours, lr)), "fsdp2": (fsdp2, _adamw(fsdp2, lr))}
+    times = {"ours": [], "fsdp2": []}
+    counts = {}
+    for s, (x, y) in enumerate(batches):
+        order = ["ours", "fsdp2"] if s % 2 == 0 else ["fsdp2", "ours"]
+        for name in order:
+            model, opt = sides[name]
+            if s == 1:
+                with count_all_collectives() as stats:
+                    _train_step(model, opt, x, y)
+                counts[name] = stats
+            else:
+                t = timed(_train_step, model, opt, x, y)
+                if s >= 2:
+                    times[name].append(t)
+    full_ours = {n: full_tensor(p).clone() for n, p in ours.named_parameters()}
+    full_fsdp2 = {n: p.full_tensor().clone() for n, p in fsdp2.named_parameters()}
+    out = {
+        "ours_step_s": median(times["ours"]),
+        "fsdp2_step_s": median(times["fsdp2"]),
+        "ours_step_times_s": times["ours"],
+        "fsdp2_step_times_s": times["fsdp2"],
+        "ours_collectives_per_step": counts["ours"].total_calls,
+        "fsdp2_collectives_per_step": counts["fsdp2"].total_calls,
+        "ours_bytes_per_step": counts["ours"].total_bytes,
+        "fsdp2_bytes_per_step": counts["fsdp2"].total_bytes,
+        "ours_comm": counts["ours"].as_dict(),
+        "fsdp2_comm": counts["fsdp2"].as_dict(),
+    }
+    if rank != 0:
+        return out
+    if compare_single:
+        ref = build_model(cfg, seed=0)
+        opt = _adamw(ref, lr)
+        for s in range(steps + 2):
+            for r in range(world_size):
+                x, y = get_batch("train", batch_size, cfg.seq_len, s, r, world_size)
+                (ref(x, y) / world_size).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            single = dict(ref.named_parameters())
+            out["param_max_abs_diff_vs_single"] = max((full_ours[n] - single[n]).abs().max().item() for n in single)
+            out["fsdp2_param_max_abs_diff_vs_single"] = max(
+                (full_fsdp2[n] - single[n]).abs().max().item() for n in single
+            )
+
+    return out
+
+
+def run(
+    world_size: int = 4,
+    steps: int | None = None,
+    *,
+    preset: str = "bench20m",
+    batch_size: int | None = None,
+    seq_len: int | None = None,
+    lr: float = 1e-3,
+    compare_single: bool = True,
+    timeout_s: float = 600.0,
+    **overrides,
+) -> dict:
+    """Run the benchmark on ``world_size`` gloo ranks; ``steps`` timed steps (default 3) after a warmup and a
+    counted step. ``preset``/``seq_len``/``overrides``: the GPT (``ragged_optim.models`` preset fields);
+    ``batch_size``: the global batch (default 2 rows per rank)."""
+    steps = 3 if steps is None else steps
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    if seq_len is not None:
+        overrides["seq_len"] = seq_len
+    cfg = get_config(preset, **overrides)
+    batch_size = batch_size or 2 * world_size
+    results = run_on_ranks(_rank, world_size, cfg, batch_size, steps, lr, compare_single, timeout_s=timeout_s)
+    out = {
+        "world_size": world_size,
+        "preset": preset,
+        "params": num_params(build_model(cfg, device="meta")),
+        "global_batch": batch_size,
+        "seq_len": cfg.seq_len,
+        "timed_steps": steps,
+        "harness": "one run_on_ranks call: both models per rank, ours and fsdp2 alternating each step",
+    }
+    out.update(results[0])
+    out["step_time_ratio"] = out["ours_step_s"] / out["fsdp2_step_s"]
+    out["bytes_ratio"] = out["ours_bytes_per_step"] / max(1, out["fsdp2_bytes_per_step"])
+    out["ranks_agree_on_counts"] = all(
+        r["ours_comm"] == results[0]["ours_comm"] and r["fsdp2_comm"] == results[0]["fsdp2_comm"] for r in results
+    )
+    return out
