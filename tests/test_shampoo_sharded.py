@@ -132,3 +132,20 @@ def test_world_sizes_agree_exactly(world_size):
     a = run_on_ranks(sharded, 1, shapes, 5, 4, OPTS)[0][0]
     b = run_on_ranks(sharded, world_size, shapes, 5, 4, OPTS)[0][0]
     assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_benchmark_smoke():
+    from ragged_optim.bench.shampoo import run
+
+    out = run(2, steps=2, shapes=[(24, 16), (16, 40), (9, 9)], max_preconditioner_dim=8)
+    for key in (
+        "ours_opt_step_s",
+        "replicated_opt_step_s",
+        "speedup",
+        "precond_bytes_max_over_mean",
+        "ours_bytes_per_step",
+        "max_rel_diff_vs_unsharded",
+    ):
+        assert key in out
+    assert out["max_rel_diff_vs_unsharded"] <= 1e-5
+    assert out["replicated_bytes_per_step"] > out["ours_bytes_per_step"]
