@@ -114,15 +114,22 @@ def test_sharded_equals_one_process_other_options(shapes, world_size, B, graftin
     _check_run(shapes, world_size, seed, B, kw)
 
 
-def test_split_bands_are_owner_computed():
-    # A 4 x 30 matrix with B = 4 is one 120-element band; over 3 ranks the planner splits it rather than pad every
-    # rank to 120, so the band goes through the owner exchange (a gather and a scatter per step).
-    shapes = [(4, 30), (3, 5)]
+@pytest.mark.parametrize(
+    "shapes,world_size,n_split",
+    [
+        # A 4 x 30 matrix with B = 4 is one 120-element band; over 3 ranks the planner splits it rather than pad
+        # every rank to 120, so the band goes through the owner exchange.
+        ([(4, 30), (3, 5)], 3, 1),
+        # Two split bands of two params, owned by different ranks: one gather and one scatter for both.
+        ([(4, 30), (4, 30)], 5, 2),
+    ],
+)
+def test_split_bands_are_owner_computed(shapes, world_size, n_split):
     ref = one_process(shapes, 3, 4, OPTS)
-    results = run_on_ranks(sharded, 3, shapes, 3, 4, OPTS)
+    results = run_on_ranks(sharded, world_size, shapes, 3, 4, OPTS)
     assert max_rel(results[0][0], ref) <= 1e-5
-    assert results[0][3] >= 1
-    assert all(c.get("all_to_all", 0) == 2 for c in results[0][1])
+    assert results[0][3] == n_split
+    assert all(c.get("all_to_all", 0) == 2 for r in results for c in r[1])
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
