@@ -1,0 +1,114 @@
+"""Benchmarks at tiny sizes on 2 ranks: keys, sanity, parity; the CLI prints one JSON object."""
+
+import functools
+import json
+import math
+
+import pytest
+
+from ragged_optim.bench import cli as bench_cli
+from ragged_optim.cli import main
+
+FSDP_KEYS = {
+    "ours_step_s",
+    "fsdp2_step_s",
+    "step_time_ratio",
+    "ours_collectives_per_step",
+    "fsdp2_collectives_per_step",
+    "ours_bytes_per_step",
+    "fsdp2_bytes_per_step",
+    "param_max_abs_diff_vs_single",
+}
+MUON_KEYS = {
+    "ours_opt_step_s",
+    "torch_muon_fsdp2_opt_step_s",
+    "speedup",
+    "ours_collectives_per_step",
+    "torch_collectives_per_step",
+    "ours_bytes_per_step",
+    "torch_bytes_per_step",
+    "owner_compute_max_over_mean",
+    "max_rel_diff_vs_unsharded",
+    "torch_status",
+}
+
+
+@pytest.fixture(scope="module")
+def fsdp_result():
+    from ragged_optim.bench.fsdp import run
+
+    return run(world_size=2, steps=1, preset="tiny", n_layers=2, seq_len=32)
+
+
+@pytest.fixture(scope="module")
+def muon_result():
+    from ragged_optim.bench.muon import run
+
+    return run(world_size=2, steps=1, scale=16)
+
+
+def test_fsdp_keys_and_sanity(fsdp_result):
+    r = fsdp_result
+    assert FSDP_KEYS <= r.keys()
+    assert r["ours_step_s"] > 0 and r["fsdp2_step_s"] > 0
+    assert math.isclose(r["step_time_ratio"], r["ours_step_s"] / r["fsdp2_step_s"])
+    assert r["ours_collectives_per_step"] > 0 and r["fsdp2_collectives_per_step"] > 0
+    assert r["ours_bytes_per_step"] > 0 and r["fsdp2_bytes_per_step"] > 0
+    # one all-gather per unit forward (3 units), one per non-root unit backward, one reduce-scatter per unit
+    assert r["ours_comm"]["calls"] == {"all_gather": 5, "reduce_scatter": 3}
+    assert r["ours_bytes_per_step"] <= r["fsdp2_bytes_per_step"]
+    assert r["ranks_agree_on_counts"]
+    assert r["param_max_abs_diff_vs_single"] <= 1e-5
+
+
+def test_muon_keys_and_sanity(muon_result):
+    r = muon_result
+    assert MUON_KEYS <= r.keys()
+    assert r["ours_opt_step_s"] > 0 and r["torch_muon_fsdp2_opt_step_s"] > 0
+    assert r["torch_status"] == "ok" or r["torch_status"]  # a one-line error when torch's Muon cannot run
+    assert 0 < r["ours_collectives_per_step"] <= 2 * r["units_with_muon_params"]
+    assert r["torch_collectives_per_step"] > 0
+    assert 0 < r["ours_bytes_per_step"]
+    assert r["ours_bytes_over_shard_wire_max"] <= 2.0
+    assert 1.0 <= r["owner_compute_max_over_mean"] <= 1.5
+    assert r["max_rel_diff_vs_unsharded"] <= 1e-5  # fp32 Newton-Schulz: same math as one process
+    assert r["max_rel_diff_vs_unsharded_bfloat16"] <= 5e-2
+
+
+def test_cli_json_prints_one_object(monkeypatch, capsys):
+    from ragged_optim.bench import muon
+
+    monkeypatch.setattr(muon, "run", functools.partial(muon.run, scale=16, compare_single=False))
+    assert main(["bench", "muon", "--world-size", "2", "--steps", "1", "--json"]) == 0
+    out = capsys.readouterr().out
+    obj = json.loads(out)  # exactly one JSON document: extra output would make this raise
+    assert isinstance(obj, dict) and obj["world_size"] == 2 and obj["timed_steps"] == 1
+    assert out.strip().count("\n") == 0
+
+
+def test_cli_all_writes_json_and_markdown(monkeypatch, capsys, tmp_path):
+    from ragged_optim.bench import fsdp, muon
+
+    monkeypatch.setattr(bench_cli, "available", lambda: ["fsdp", "muon"])
+    monkeypatch.setattr(fsdp, "run", lambda world_size=4, **kw: {"step_time_ratio": 0.5, "world_size": world_size})
+    monkeypatch.setattr(muon, "run", lambda world_size=4, **kw: {"speedup": 9.0, "steps": kw.get("steps")})
+    rc = main(["bench", "all", "--world-size", "3", "--steps", "2", "--json", "--out", str(tmp_path)])
+    assert rc == 0
+    obj = json.loads(capsys.readouterr().out)
+    assert obj == {"fsdp": {"step_time_ratio": 0.5, "world_size": 3}, "muon": {"speedup": 9.0, "steps": 2}}
+    assert json.loads((tmp_path / "latest.json").read_text()) == obj
+    md = (tmp_path / "latest.md").read_text()
+    assert "CPUs" in md and "torch" in md and "## fsdp" in md and "| speedup | 9 |" in md
+
+
+def test_cli_table_and_unknown(monkeypatch, capsys):
+    from ragged_optim.bench import muon
+
+    monkeypatch.setattr(muon, "run", lambda world_size=4, **kw: {"speedup": 7.25, "torch_status": "ok"})
+    assert main(["bench", "muon"]) == 0
+    out = capsys.readouterr().out
+    assert "speedup" in out and "7.25" in out
+    with pytest.raises(SystemExit):
+        main(["bench", "nonesuch"])
+    monkeypatch.setattr(bench_cli, "available", lambda: ["fsdp"])
+    assert main(["bench", "muon"]) == 2
