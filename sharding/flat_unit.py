@@ -31,9 +31,18 @@ def default_block_spec(param: torch.Tensor) -> BlockSpec:
 
 class FlatUnit:
     def __init__(
-        self, module: nn.Module, params: list[nn.Parameter], names: list[str], refs, group, mp_policy, comm_policy=None
+        self,
+        module: nn.Module,
+        params: list[nn.Parameter],
+        names: list[str],
+        refs,
+        group,
+        mp_policy,
+        comm_policy=None,
+        replicate_group=None,
     ):
         self.module = module
+        self.replicate_group = replicate_group  # HSDP: replicas of this unit's shards
         self.comm_policy = comm_policy or CommPolicy()
         self.group = group
         self.rank = dist.get_rank(group)
@@ -270,7 +279,12 @@ class FlatUnit:
         if work is not None:
             work.wait()
         self.pending_reduce = None
-        out = out.to(self.dtype).div_(self.world_size)
+        out = out.to(self.dtype)
+        divisor = self.world_size
+        if self.replicate_group is not None:  # HSDP: sum the reduced shard across replicas too
+            dist.all_reduce(out, group=self.replicate_group)
+            divisor *= dist.get_world_size(self.replicate_group)
+        out.div_(divisor)
         fresh = all(sp.grad is None for sp, rg in zip(self.sharded_params, self.requires_grad) if rg)
         if self.sharded_grad is None or fresh:
             self.sharded_grad = out

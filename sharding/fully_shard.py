@@ -80,19 +80,22 @@ def _mix_in(module: nn.Module) -> None:
     module.__class__ = _CLASS_CACHE[cls]
 
 
-def _resolve_group(mesh):
+def _resolve_groups(mesh):
+    """(shard group, replicate group or None) from a ProcessGroup, a 1-D mesh, or a 2-D (replicate, shard) mesh."""
     if mesh is None:
         if not dist.is_initialized():
             raise RuntimeError(
                 "fully_shard needs torch.distributed: call dist.init_process_group first "
                 "(or use ragged_optim.comm.launch.run_on_ranks), or pass mesh=<DeviceMesh or ProcessGroup>"
             )
-        return dist.group.WORLD
+        return dist.group.WORLD, None
     if hasattr(mesh, "get_group"):
-        if mesh.ndim != 1:
-            raise ValueError(f"fully_shard(mesh=...) takes a 1-D DeviceMesh, got {mesh.ndim}-D {mesh}")
-        return mesh.get_group()
-    return mesh
+        if mesh.ndim == 1:
+            return mesh.get_group(), None
+        if mesh.ndim == 2:  # HSDP: shard along the last dim, replicate along the first
+            return mesh.get_group(1), mesh.get_group(0)
+        raise ValueError(f"fully_shard(mesh=...) takes a 1-D mesh or a 2-D (replicate, shard) mesh, got {mesh.ndim}-D")
+    return mesh, None
 
 
 def _collect_params(module: nn.Module):
@@ -144,7 +147,11 @@ def fully_shard(
 ):
     """Shard ``module``'s params (those no inner ``fully_shard`` owns) into one RaggedShard unit; returns module.
 
-    ``mesh``: a 1-D DeviceMesh or a ProcessGroup (default: the world). ``mp_policy``: torch's
+    ``mesh``: a 1-D DeviceMesh or a ProcessGroup (default: the world), or a 2-D DeviceMesh ``(replicate, shard)``
+    for HSDP: params are ragged-sharded over the shard dim and replicated over the other; grads are
+    reduce-scattered within the shard group, then all-reduced across replicas (only the local shard's bytes).
+    Each call may take its own mesh (e.g. an encoder over 2 ranks per replica, the decoder over 4).
+    ``mp_policy``: torch's
     ``MixedPrecisionPolicy`` (param_dtype for compute and all-gather, reduce_dtype for the reduce-scatter; the
     sharded master params keep the module's dtype). ``block_policy``: ``fn(name, param) -> BlockSpec | None``,
     which blocks an optimizer needs whole; our optimizers re-plan this for you when they are constructed.
@@ -154,10 +161,10 @@ def fully_shard(
     """
     if getattr(module, _UNIT_ATTR, None) is not None:
         raise ValueError(f"fully_shard was already called on this {type(module).__name__}; call it once per module")
-    group = _resolve_group(mesh)
+    group, replicate_group = _resolve_groups(mesh)
     params, names, refs = _collect_params(module)
     _check_params(module, params, names)
-    unit = FlatUnit(module, params, names, refs, group, mp_policy, comm_policy)
+    unit = FlatUnit(module, params, names, refs, group, mp_policy, comm_policy, replicate_group)
     if block_policy is not None:
         specs = {i: s for i, (n, p) in enumerate(zip(names, params)) if (s := block_policy(n, p)) is not None}
         unit.relayout(specs)

@@ -1,0 +1,97 @@
+"""HSDP (2-D replicate x shard meshes) and per-unit process groups on 4 gloo ranks equal one process."""
+
+import torch
+from fsdp_models import batch, local_rows, loss_fn, make_model
+from test_fsdp_runtime import max_diff, single_run
+
+from ragged_optim.comm.counter import count_collectives
+from ragged_optim.comm.launch import run_on_ranks
+from ragged_optim.optim import Muon
+from ragged_optim.sharding import full_tensor, fully_shard, get_full_state_dict, load_full_state_dict
+
+LR, EPS = 1e-4, 1e-6
+
+
+def _run(rank, world_size, layout, steps=3):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = make_model()
+    if layout == "fsdp":
+        meshes = {"blocks": None, "root": None}
+    elif layout == "hsdp":
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        meshes = {"blocks": mesh, "root": mesh}
+    else:  # blocks (the "encoder") over 2 ranks per replica, the root over all 4
+        meshes = {"blocks": init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")), "root": None}
+    for b in model.layers:
+        fully_shard(b, mesh=meshes["blocks"])
+    fully_shard(model, mesh=meshes["root"])
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    for step in range(steps):
+        x, y = batch(step)
+        with count_collectives() as stats:
+            loss_fn(model, local_rows(x, rank, world_size), local_rows(y, rank, world_size)).backward()
+        opt.step()
+        opt.zero_grad()
+    local = [p.detach().clone() for p in model.parameters()]
+    return {n: full_tensor(p).clone() for n, p in model.named_parameters()}, local, dict(stats.bytes)
+
+
+def test_hsdp_equals_fsdp_and_one_process_and_replicas_stay_identical():
+    ref = single_run(world_size=4)
+    fsdp = run_on_ranks(_run, 4, "fsdp")
+    hsdp = run_on_ranks(_run, 4, "hsdp")
+    assert max_diff(hsdp[0][0], ref) <= 1e-6
+    assert max_diff(hsdp[0][0], fsdp[0][0]) <= 1e-6
+    # ranks 0 and 2 are replicas of the same shard (mesh [[0, 1], [2, 3]]): bit-identical params
+    assert all(torch.equal(a, b) for a, b in zip(hsdp[0][1], hsdp[2][1]))
+    # the all-reduce across replicas moves only the local shard: S elements, where the reduce-scatter over the
+    # 2-rank shard group takes 2*S
+    assert hsdp[0][2]["all_reduce"] * 2 == hsdp[0][2]["reduce_scatter"]
+    assert "all_reduce" not in fsdp[0][2]
+
+
+def test_units_on_different_groups_coexist():
+    ref = single_run(world_size=4)
+    mixed = run_on_ranks(_run, 4, "mixed")
+    assert max_diff(mixed[0][0], ref) <= 1e-6
+
+
+def _muon_hsdp(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 24, bias=False), torch.nn.Linear(24, 8, bias=False))
+    fully_shard(model, mesh=mesh)
+    opt = Muon(model.parameters(), ns_dtype=torch.float32)
+    for step in range(2):
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+        model(local_rows(x, rank, world_size)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()], get_full_state_dict(model)
+
+
+def test_muon_under_hsdp_replicas_identical():
+    out = run_on_ranks(_muon_hsdp, 4)
+    assert all(torch.equal(a, b) for a, b in zip(out[0][0], out[2][0]))
+    assert all(torch.equal(a, b) for a, b in zip(out[1][0], out[3][0]))
+
+
+def _reload_under(rank, world_size, sd, layout):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = make_model(seed=7)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")) if layout == "hsdp" else None
+    fully_shard(model, mesh=mesh)
+    load_full_state_dict(model, sd)
+    return get_full_state_dict(model)
+
+
+def test_state_dict_saved_under_hsdp_loads_under_fsdp_and_back():
+    plain = make_model(seed=3).state_dict()
+    hsdp = run_on_ranks(_reload_under, 4, plain, "hsdp")[0]
+    fsdp = run_on_ranks(_reload_under, 4, hsdp, "fsdp")[0]
+    back = run_on_ranks(_reload_under, 4, fsdp, "hsdp")[0]
+    assert max_diff(hsdp, plain) == 0 and max_diff(back, plain) == 0
