@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .quant_ref import block_rows, dequantize_rows, quantize_rows
+from .quant_ref import block_rows, chunk_elems_for, dequantize_rows, quantize_rows
 
 
 def ieee_sqrt_(t: torch.Tensor) -> torch.Tensor:
@@ -44,7 +44,7 @@ def adamw8bit_ref(
     consts: tuple[float, ...],
 ) -> None:
     decay, b1, c1, b2, c2, inv_sqrt_bc2, eps, step_size = consts
-    for e0, b0, rows, n in block_rows(p.numel(), block_size):
+    for e0, b0, rows, n in block_rows(p.numel(), block_size, chunk_elems_for(p.device)):
         e1 = e0 + rows * n
         pb = p[e0:e1].view(rows, n)
         gb = g[e0:e1].view(rows, n).float()

@@ -1,6 +1,7 @@
 """Plain-torch reference of block-wise quantize / dequantize (any device; the dispatcher sends CPU tensors here).
 
-Vectorised over blocks; the only Python loop walks chunks of ~1M elements so temporaries stay cache-sized. The float
+Vectorised over blocks; the only Python loop walks chunks of whole blocks (~1M elements on CPU, so temporaries stay
+cache-sized; ~64M on a GPU). The float
 operations are the ones the Triton kernels perform, in the same order (see ``qmaps`` for the formats).
 """
 
@@ -10,7 +11,12 @@ import torch
 
 from .qmaps import FP8_INV_MAX, FP8_MAX, INT8_INV_MAX, dynamic_tables, nearest_code
 
-CHUNK_ELEMS = 1 << 20
+CHUNK_ELEMS = 1 << 20  # CPU: temporaries stay cache-sized
+CHUNK_ELEMS_GPU = 1 << 26  # elsewhere: few, large launches
+
+
+def chunk_elems_for(device: torch.device) -> int:
+    return CHUNK_ELEMS if device.type == "cpu" else CHUNK_ELEMS_GPU
 
 
 def block_rows(numel: int, block_size: int, chunk_elems: int = CHUNK_ELEMS):
@@ -57,7 +63,7 @@ def quantize_blockwise_ref(
     x: torch.Tensor, block_size: int, fmt: str, codes: torch.Tensor, scales: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     xf = x.reshape(-1)
-    for e0, b0, rows, n in block_rows(xf.numel(), block_size):
+    for e0, b0, rows, n in block_rows(xf.numel(), block_size, chunk_elems_for(xf.device)):
         c, s = quantize_rows(xf[e0 : e0 + rows * n].view(rows, n).float(), fmt)
         codes[e0 : e0 + rows * n].copy_(c.view(-1))
         scales[b0 : b0 + rows].copy_(s)
@@ -67,7 +73,7 @@ def quantize_blockwise_ref(
 def dequantize_blockwise_ref(
     codes: torch.Tensor, scales: torch.Tensor, block_size: int, fmt: str, out: torch.Tensor
 ) -> torch.Tensor:
-    for e0, b0, rows, n in block_rows(out.numel(), block_size):
+    for e0, b0, rows, n in block_rows(out.numel(), block_size, chunk_elems_for(out.device)):
         vals = dequantize_rows(codes[e0 : e0 + rows * n].view(rows, n), scales[b0 : b0 + rows], fmt)
         out[e0 : e0 + rows * n].copy_(vals.view(-1))
     return out
