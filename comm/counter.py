@@ -58,6 +58,33 @@ def _nbytes(obj) -> int:
 
 _state = threading.local()
 
+# torch's functional collectives (DTensor redistribution, torch.optim.Muon on DTensors) go through dispatcher ops,
+# not the torch.distributed functions: a dispatch mode counts those. op name -> (kind, count its output?)
+_FUNCTIONAL = {
+    "all_gather_into_tensor": ("all_gather", True),
+    "reduce_scatter_tensor": ("reduce_scatter", False),
+    "all_reduce": ("all_reduce", False),
+    "all_to_all_single": ("all_to_all", False),
+    "broadcast": ("broadcast", False),
+}
+
+
+def _functional_counter(stats: CommStats):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class FunctionalCollectiveCounter(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            ns = getattr(func, "namespace", "")
+            name = func._schema.name.split("::")[-1] if hasattr(func, "_schema") else ""
+            if ns == "_c10d_functional" and name in _FUNCTIONAL:
+                kind, use_output = _FUNCTIONAL[name]
+                stats.calls[kind] += 1
+                stats.bytes[kind] += _nbytes(out if use_output else args[0])
+            return out
+
+    return FunctionalCollectiveCounter()
+
 
 @contextmanager
 def count_collectives():
@@ -90,8 +117,10 @@ def count_collectives():
         if fn is not None:
             originals[name] = fn
             setattr(dist, name, wrap(name, fn, kind, idx))
+    mode = _functional_counter(stats)
     try:
-        yield stats
+        with mode:
+            yield stats
     finally:
         for name, fn in originals.items():
             setattr(dist, name, fn)

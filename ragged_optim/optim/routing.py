@@ -13,6 +13,8 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from ragged_optim.optim.base import full_shape  # sharded params are 1-D views: route by full shape
+
 __all__ = ["HEAD_NAMES", "muon_param_groups"]
 
 #: Last components of module names that mark an ``nn.Linear`` as an output head.
@@ -95,7 +97,7 @@ def muon_param_groups(
     adamw: list[Tensor] = []
     for _, p in model.named_parameters():
         pid = id(p)
-        if p.ndim < 2 or pid in embedding_weights or pid in head_weights or pid in excluded:
+        if len(full_shape(p)) < 2 or pid in embedding_weights or pid in head_weights or pid in excluded:
             adamw.append(p)
         else:
             muon.append(p)
