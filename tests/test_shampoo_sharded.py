@@ -33,14 +33,18 @@ def grads_for(shapes, step, seed):
 
 
 def one_process(shapes, seed, B, kw):
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the ranks run one thread each: same LAPACK path
-    model = Mats(shapes, seed)
-    opt = Shampoo(model.parameters(), max_preconditioner_dim=B, **kw)
-    for step in range(STEPS):
-        for p, g in zip(model.ordered(), grads_for(shapes, step, seed)):
-            p.grad = g
-        opt.step()
-    return [p.detach().clone() for p in model.ordered()]
+    try:
+        model = Mats(shapes, seed)
+        opt = Shampoo(model.parameters(), max_preconditioner_dim=B, **kw)
+        for step in range(STEPS):
+            for p, g in zip(model.ordered(), grads_for(shapes, step, seed)):
+                p.grad = g
+            opt.step()
+        return [p.detach().clone() for p in model.ordered()]
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _set_local_grads(model, shapes, step, seed):
