@@ -7,7 +7,7 @@ ro.fully_shard(model)
 opt = ro.Muon(ro.muon_param_groups(model), lr=0.02)
 """
 
-from ragged_optim.optim import Muon, muon_param_groups
+from ragged_optim.optim import AdamW8bit, Muon, Shampoo, muon_param_groups
 from ragged_optim.sharding import (
     BlockSpec,
     CommPolicy,
@@ -23,6 +23,8 @@ from ragged_optim.sharding import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "AdamW8bit",
+    "Shampoo",
     "BlockSpec",
     "CommPolicy",
     "QuantizedAllGather",

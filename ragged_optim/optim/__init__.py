@@ -1,6 +1,19 @@
-"""Optimizers: Muon (with AdamW for non-matrix params) and param routing."""
+"""Optimizers: Muon (with AdamW for non-matrix params), Shampoo, AdamW8bit, and param routing."""
 
+from ragged_optim.optim.adamw8bit import AdamW8bit
 from ragged_optim.optim.muon import BF16_NS_REL_TOL, Muon, MuonItem, adamw_update_, adjust_lr
 from ragged_optim.optim.routing import HEAD_NAMES, muon_param_groups
+from ragged_optim.optim.shampoo import GRAFTING_METHODS, Shampoo
 
-__all__ = ["BF16_NS_REL_TOL", "HEAD_NAMES", "Muon", "MuonItem", "adamw_update_", "adjust_lr", "muon_param_groups"]
+__all__ = [
+    "BF16_NS_REL_TOL",
+    "GRAFTING_METHODS",
+    "HEAD_NAMES",
+    "AdamW8bit",
+    "Muon",
+    "MuonItem",
+    "Shampoo",
+    "adamw_update_",
+    "adjust_lr",
+    "muon_param_groups",
+]
