@@ -100,8 +100,7 @@ def _train(
     warmup = max(1, min(20, steps // 10))
     losses, step_s, grads = [], [], []
     for step in range(steps):
-        for g in opt.param_groups:
-            g["lr"] = lr * _lr_mult(step, steps, warmup)
+        _set_lr(opt, lr * _lr_mult(step, steps, warmup))
         x, y = get_batch("train", batch_size, seq_len, step, rank, world_size, seed)
         loss = model(x, y)
         loss.backward()
@@ -140,6 +139,14 @@ def _train(
         "state_numel": numel,
         "grads": grads,
     }
+
+
+def _set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
+    for g in opt.param_groups:
+        if isinstance(g["lr"], torch.Tensor):
+            g["lr"].fill_(lr)  # torchao keeps lr as a tensor (no recompile when it changes)
+        else:
+            g["lr"] = lr
 
 
 def _mean(x: torch.Tensor, distributed: bool) -> float:
