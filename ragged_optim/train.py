@@ -65,8 +65,13 @@ def _adamw(model: nn.Module, lr: float) -> torch.optim.Optimizer:
 
 def _muon(model: nn.Module, lr: float) -> torch.optim.Optimizer:
     # Hidden matrices get Muon at ``lr``; embeddings, head and 1-D params get AdamW at AdamW's default lr.
+    # Newton-Schulz in bf16 on GPUs (torch.optim.Muon's choice); in fp32 on CPUs, where bf16 matmuls are emulated
+    # and ~50x slower here.
     groups = _lazy("muon_param_groups")(model)
-    return _lazy("Muon")(groups, lr=lr, adamw_lr=OPTIMIZERS["adamw"].default_lr, adamw_betas=(0.9, 0.95))
+    ns_dtype = torch.bfloat16 if next(model.parameters()).is_cuda else torch.float32
+    return _lazy("Muon")(
+        groups, lr=lr, ns_dtype=ns_dtype, adamw_lr=OPTIMIZERS["adamw"].default_lr, adamw_betas=(0.9, 0.95)
+    )
 
 
 def _shampoo(model: nn.Module, lr: float) -> torch.optim.Optimizer:
