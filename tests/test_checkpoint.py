@@ -1,0 +1,256 @@
+"""Checkpoints of a ragged-sharded model with Muon (+AdamW), Shampoo and AdamW8bit: save at one world size, load
+at another, keep training: the params equal a run that never stopped. Plus the consolidated export, atomicity
+(a rank killed while saving) and checkpoints from another model."""
+
+import glob
+import os
+
+import pytest
+import torch
+import torch.distributed.checkpoint  # noqa: F401  (imported once here, not in every forked rank)
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from ragged_optim.checkpoint import (
+    COMPLETE_MARKER,
+    CheckpointError,
+    check_optimizer_state_dict,
+    get_full_optimizer_state_dict,
+    is_complete,
+    load_checkpoint,
+    save_checkpoint,
+)
+from ragged_optim.comm.launch import RankFailure, run_on_ranks
+from ragged_optim.optim import AdamW8bit, Muon, Shampoo
+from ragged_optim.sharding import full_tensor, fully_shard, get_full_state_dict
+from ragged_optim.testing import _set_grads, default_grad
+
+SAVE_AT, TOTAL = 3, 5
+# Import what the optimizers import lazily (torch._dynamo: ~10 s) once here, not in every forked rank.
+make_warm = torch.optim.SGD([nn.Parameter(torch.zeros(1))])
+SHAMPOO_RTOL = 1e-5  # Shampoo's sharded == one-process tolerance is looser (tests/test_shampoo_sharded.py)
+
+
+class Net(nn.Module):
+    def __init__(self, width: int = 10):
+        super().__init__()
+        torch.manual_seed(0)
+        self.muon = nn.Sequential(nn.Linear(12, width), nn.Linear(width, 6))
+        self.shampoo = nn.Linear(9, 7)
+        self.adam8 = nn.Linear(16, 12)
+
+
+def make_optimizers(model: Net):
+    m = model.muon
+    muon = Muon(
+        [
+            {"params": [m[0].weight, m[1].weight], "use_muon": True},
+            {"params": [m[0].bias, m[1].bias], "use_muon": False},
+        ],
+        lr=0.02,
+        ns_dtype=torch.float32,
+        adamw_lr=0.01,
+    )
+    shampoo = Shampoo(model.shampoo.parameters(), lr=0.01, max_preconditioner_dim=3, epsilon=1e-6)
+    adam8 = AdamW8bit(model.adam8.parameters(), lr=0.01, block_size=32, min_8bit_size=64)
+    return [muon, shampoo, adam8]
+
+
+def shard(model: Net) -> Net:
+    for sub in (model.muon, model.shampoo, model.adam8):
+        fully_shard(sub)
+    fully_shard(model)
+    return model
+
+
+def train(model, opts, start, stop):
+    for step in range(start, stop):
+        _set_grads(model, step, default_grad)
+        for o in opts:
+            o.step()
+            o.zero_grad()
+
+
+def snapshot(model):
+    return {n: full_tensor(p).detach().clone() for n, p in model.named_parameters()}
+
+
+def reference(_rank, _world):
+    model = Net()
+    opts = make_optimizers(model)
+    train(model, opts, 0, TOTAL)
+    return snapshot(model)
+
+
+def save_run(rank, world, path):
+    model = shard(Net())
+    opts = make_optimizers(model)
+    train(model, opts, 0, SAVE_AT)
+    save_checkpoint(path, model, opts, extra={"step": SAVE_AT})
+    return True
+
+
+def resume_run(rank, world, path):
+    model = shard(Net())
+    opts = make_optimizers(model)
+    extra = load_checkpoint(path, model, opts)
+    train(model, opts, extra["step"], TOTAL)
+    snap = snapshot(model)  # a collective: every rank
+    return snap if rank == 0 else None
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return run_on_ranks(reference, 1)[0]
+
+
+def assert_matches(got, want):
+    for name, w in want.items():
+        rtol = SHAMPOO_RTOL if name.startswith("shampoo") else 0.0
+        torch.testing.assert_close(got[name], w, rtol=rtol, atol=rtol * 1e-2, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def reshard_roundtrip(tmp_path, ref, w_save, w_load):
+    path = str(tmp_path / f"ckpt_{w_save}_{w_load}")
+    run_on_ranks(save_run, w_save, path)
+    assert is_complete(path)
+    got = run_on_ranks(resume_run, w_load, path)[0]
+    assert_matches(got, ref)
+
+
+@pytest.mark.parametrize("w_save,w_load", [(4, 3), (4, 1), (1, 4), (3, 2)])
+def test_reshard_continues_exactly(tmp_path, ref, w_save, w_load):
+    reshard_roundtrip(tmp_path, ref, w_save, w_load)
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(w_save=st.integers(1, 4), w_load=st.integers(1, 4))
+def test_reshard_hypothesis(tmp_path_factory, ref, w_save, w_load):
+    reshard_roundtrip(tmp_path_factory.mktemp("h"), ref, w_save, w_load)
+
+
+# ----------------------------------------------------------------------------------------------- export
+
+
+def export_run(rank, world):
+    model = shard(Net())
+    opts = make_optimizers(model)
+    train(model, opts, 0, SAVE_AT)
+    msd = get_full_state_dict(model)
+    osds = [get_full_optimizer_state_dict(model, o) for o in opts]
+    return (msd, osds) if rank == 0 else None
+
+
+def plain_resume(_rank, _world, msd, osds):
+    model = Net()
+    model.load_state_dict(msd)
+    opts = make_optimizers(model)
+    for o, sd in zip(opts, osds):
+        o.load_state_dict(sd)
+    train(model, opts, SAVE_AT, TOTAL)
+    return snapshot(model)
+
+
+def test_full_state_dict_loads_into_plain_torch(ref):
+    msd, osds = run_on_ranks(export_run, 3)[0]
+    assert all(t.shape == p.shape for (n, t), p in zip(msd.items(), Net().state_dict().values()))
+    muon_sd = osds[0]
+    assert muon_sd["param_groups"][0]["param_names"] == ["muon.0.weight", "muon.1.weight"]
+    assert muon_sd["state"][0]["momentum_buffer"].shape == (10, 12)
+    assert set(osds[1]["state"][0]["bands"]) == {0, 1, 2}  # 7 rows in bands of 3, gathered from their owners
+    got = run_on_ranks(plain_resume, 1, msd, osds)[0]
+    assert_matches(got, ref)
+
+
+# ----------------------------------------------------------------------------------------------- atomicity
+
+
+def crash_while_saving(rank, world, good, bad):
+    model = shard(Net())
+    opts = make_optimizers(model)
+    train(model, opts, 0, SAVE_AT)
+    save_checkpoint(good, model, opts, extra={"step": SAVE_AT})
+    if rank == 1:
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        def die(self, *a, **k):
+            os._exit(3)
+
+        FileSystemWriter.write_data = die
+    save_checkpoint(bad, model, opts, extra={"step": SAVE_AT})
+
+
+def load_both(rank, world, good, bad):
+    model = shard(Net())
+    opts = make_optimizers(model)
+    extra = load_checkpoint(good, model, opts)
+    errors = []
+    for p in [bad, *glob.glob(bad + ".tmp-*")]:
+        try:
+            load_checkpoint(p, model, opts)
+        except CheckpointError as e:
+            errors.append(str(e))
+    return extra, errors
+
+
+def test_rank_killed_while_saving_leaves_previous_checkpoint(tmp_path):
+    good, bad = str(tmp_path / "good"), str(tmp_path / "bad")
+    with pytest.raises(RankFailure):
+        run_on_ranks(crash_while_saving, 3, good, bad, timeout_s=20)
+    assert is_complete(good) and not os.path.exists(bad)
+    partial = glob.glob(bad + ".tmp-*")
+    assert len(partial) == 1 and not os.path.exists(os.path.join(partial[0], COMPLETE_MARKER))
+    extra, errors = run_on_ranks(load_both, 2, good, bad)[0]
+    assert extra == {"step": SAVE_AT}
+    assert len(errors) == 2
+    assert "no checkpoint at" in errors[0] and COMPLETE_MARKER in errors[0] and "interrupted" in errors[0]
+    assert f"has no {COMPLETE_MARKER} marker" in errors[1]
+
+
+# ----------------------------------------------------------------------------------------------- bad input
+
+
+def load_into_other_model(rank, world, path):
+    out = []
+    for width in (11,):
+        model = shard(Net(width))
+        opts = make_optimizers(model)
+        try:
+            load_checkpoint(path, model, opts)
+        except CheckpointError as e:
+            out.append(str(e))
+    model = shard(Net())
+    muon = make_optimizers(model)[0]
+    try:  # optimizers in another order than saved
+        load_checkpoint(path, model, [muon])
+    except CheckpointError as e:
+        out.append(str(e))
+    return out
+
+
+def test_checkpoint_from_other_model_is_refused(tmp_path):
+    path = str(tmp_path / "ckpt")
+    run_on_ranks(save_run, 2, path)
+    errors = run_on_ranks(load_into_other_model, 2, path)[0]
+    assert "'muon.0.weight' has shape (10, 12) in the checkpoint but (11, 12)" in errors[0]
+    assert "differently shaped model" in errors[0]
+    assert "holds 3 optimizers, 1 were given" in errors[1]
+
+
+def test_optimizer_state_dict_from_other_model_names_param():
+    a = nn.Linear(4, 3)
+    b = nn.Linear(5, 3)  # same number of params, other shapes
+    opt_a = Muon([{"params": [a.weight], "use_muon": True}, {"params": [a.bias], "use_muon": False}])
+    opt_b = Muon([{"params": [b.weight], "use_muon": True}, {"params": [b.bias], "use_muon": False}])
+    for p in b.parameters():
+        p.grad = torch.ones_like(p)
+    opt_b.step()
+    with pytest.raises(ValueError, match=r"momentum_buffer.*param_groups\[0\]\['params'\]\[0\].*15 elements.*12"):
+        check_optimizer_state_dict(opt_a, opt_b.state_dict())
+    check_optimizer_state_dict(opt_b, opt_b.state_dict())  # its own state passes
+
+
+def test_missing_checkpoint_is_clear(tmp_path):
+    with pytest.raises(CheckpointError, match="no checkpoint at"):
+        load_checkpoint(str(tmp_path / "nothing"), Net())
