@@ -24,3 +24,12 @@ def test_layers_resolve_only_under_ragged_optim(tmp_path):
         assert origins[name] == "None" or not origins[name].startswith(REPO), (name, origins[name])
     for name in MAPPED:
         assert origins[name].endswith(name.split(".")[1] + "/__init__.py"), (name, origins[name])
+
+
+def test_every_subpackage_is_listed_for_regular_installs():
+    # An editable install finds any folder; a wheel ships only what pyproject lists.
+    import tomllib
+
+    listed = set(tomllib.loads((Path(REPO) / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {"ragged_optim." + p.parent.name for p in (Path(REPO) / "ragged_optim").glob("*/__init__.py")}
+    assert found | {"ragged_optim", *MAPPED} == listed

@@ -1,5 +1,5 @@
-"""Shared pieces of the benchmarks: collective counting that also sees DTensor's functional collectives, timing
-with barriers, machine description, result tables."""
+"""Shared pieces of the benchmarks: timing with barriers, machine description, result tables.
+Collectives are counted with ``ragged_optim.comm.counter.count_collectives`` (which sees DTensor's too)."""
 
 from __future__ import annotations
 
@@ -9,70 +9,9 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
-
-from ragged_optim.comm.counter import CommStats, count_collectives
-
-# torch.ops._c10d_functional ops (what DTensor redistributions issue) -> (kind, how to size them). They bypass the
-# torch.distributed functions that count_collectives patches, so they are counted here by the same byte rule:
-# the all-gather output, the reduce-scatter / all-to-all / all-reduce / broadcast input.
-_FUNCTIONAL = {
-    "all_gather_into_tensor": ("all_gather", "gather"),
-    "all_gather_into_tensor_out": ("all_gather", "gather"),
-    "all_gather_into_tensor_coalesced": ("all_gather", "gather"),
-    "reduce_scatter_tensor": ("reduce_scatter", "input"),
-    "reduce_scatter_tensor_out": ("reduce_scatter", "input"),
-    "reduce_scatter_tensor_coalesced": ("reduce_scatter", "input"),
-    "all_to_all_single": ("all_to_all", "input"),
-    "all_reduce": ("all_reduce", "input"),
-    "all_reduce_": ("all_reduce", "input"),
-    "all_reduce_coalesced": ("all_reduce", "input"),
-    "all_reduce_coalesced_": ("all_reduce", "input"),
-    "broadcast": ("broadcast", "input"),
-    "broadcast_": ("broadcast", "input"),
-}
-
-
-def _tensor_bytes(obj) -> int:
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, list | tuple):
-        return sum(_tensor_bytes(t) for t in obj)
-    return 0
-
-
-class _FunctionalCollectiveCounter(TorchDispatchMode):
-    def __init__(self, stats: CommStats):
-        super().__init__()
-        self.stats = stats
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if any(t is DTensor for t in types):
-            return NotImplemented  # let the subclass (DTensor) desugar into collectives on plain tensors first
-        if func.namespace == "_c10d_functional":
-            entry = _FUNCTIONAL.get(func._opname)
-            if entry is not None:
-                kind, rule = entry
-                nbytes = _tensor_bytes(args[0])
-                if rule == "gather":
-                    nbytes *= int(args[1])  # group_size
-                self.stats.calls[kind] += 1
-                self.stats.bytes[kind] += nbytes
-        return func(*args, **kwargs)
-
-
-@contextmanager
-def count_all_collectives():
-    """``count_collectives`` (every torch.distributed call) plus the functional collectives that DTensor ops issue
-    underneath (``torch.ops._c10d_functional``), in one CommStats. Used on both sides of every comparison."""
-    with count_collectives() as stats, _FunctionalCollectiveCounter(stats):
-        yield stats
 
 
 def timed(fn: Callable[..., object], *args, group=None) -> float:

@@ -3,7 +3,7 @@ against PyTorch FSDP2's ``fully_shard``, in the same ``run_on_ranks`` call.
 
 Both models come from the same seed and see the same per-rank batches. Step k runs ours then FSDP2 for even k,
 FSDP2 then ours for odd k, so drifting machine load hits both alike. Step 0 is a warmup, step 1 is counted
-(``count_all_collectives`` around forward + backward + ``opt.step()``) and the rest are timed (barrier on each
+(``count_collectives`` around forward + backward + ``opt.step()``) and the rest are timed (barrier on each
 side; the reported time is the median). Afterwards rank 0 replays every step in one process (each rank's rows as a
 micro-batch, so the gradient sum has the same terms) and compares our full params with it.
 """
@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from ragged_optim.bench.common import count_all_collectives, median, timed
+from ragged_optim.bench.common import median, timed
+from ragged_optim.comm.counter import count_collectives
 from ragged_optim.comm.launch import run_on_ranks
 from ragged_optim.data import get_batch
 from ragged_optim.models import build_model, get_config, num_params
@@ -64,7 +65,7 @@ def _rank(rank, world_size, cfg, batch_size, steps, lr, compare_single):
         for name in order:
             model, opt = sides[name]
             if s == 1:
-                with count_all_collectives() as stats:
+                with count_collectives() as stats:
                     _train_step(model, opt, x, y)
                 counts[name] = stats
             else:

@@ -4,7 +4,7 @@
 The model is a chain of bias-free ``nn.Linear`` layers (10 matrices: 1024x256, 256x1024, 512x256, 512x512, ...),
 one FSDP unit per layer plus the (empty) root. Each step runs forward + backward on both models (untimed), then
 times ``opt.step()`` alone with a barrier on each side; the two sides alternate which goes first. Step 0 is the
-counted warmup (``count_all_collectives`` around ``opt.step()``, which sees DTensor's functional collectives as well
+counted warmup (``count_collectives`` around ``opt.step()``, which sees DTensor's functional collectives as well
 as torch.distributed calls). Rank 0 then replays the steps in one process with ``ragged_optim.optim.Muon`` and
 compares (relative to the size of the total update).
 
@@ -19,7 +19,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ragged_optim.bench.common import count_all_collectives, median, timed
+from ragged_optim.bench.common import median, timed
+from ragged_optim.comm.counter import count_collectives
 
 DESCRIPTION = "Muon optimizer step on 10 mixed-shape matrices: ours vs torch.optim.Muon on FSDP2 DTensors"
 
@@ -160,7 +161,7 @@ def _rank(rank, world_size, dims, batch_size, steps, ns_dtype, compare_single):
             model, opt = sides[name]
             _loss(model, x, y).backward()
             if s == 0:
-                with count_all_collectives() as stats:
+                with count_collectives() as stats:
                     try:
                         opt.step()
                     except Exception as e:  # noqa: BLE001 (torch's Muon on DTensors: report, then fall back)
