@@ -51,7 +51,7 @@ def one_process(shapes, seed, block_size):
     return params, states
 
 
-def _gather_flat(lo_hi_all, t):
+def _gather_flat(t):
     import torch.distributed as dist
 
     out = [None] * dist.get_world_size()
@@ -73,7 +73,7 @@ def ragged(rank, world_size, shapes, seed, block_size):
             p.grad = g.reshape(-1)[lo:hi].clone()
         opt.step()
     params = [full_tensor(p).clone() for p in model.ws]
-    states = [full_state(opt, p, lambda t: _gather_flat(None, t)) for p in model.ws]
+    states = [full_state(opt, p, _gather_flat) for p in model.ws]
     return params, states, starts
 
 

@@ -18,6 +18,7 @@ reports the loss ratio against fp32 AdamW; docs/adamw8bit.md explains the defaul
 from __future__ import annotations
 
 import math
+import re
 import statistics
 import time
 from typing import Any
@@ -181,7 +182,7 @@ def _one_process(**kw) -> dict[str, Any]:
 
 def _one_line(e: BaseException) -> str:
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-    errs = [ln for ln in lines if "Error" in ln and ":" in ln and not ln.startswith("File")]
+    errs = [ln for ln in lines if re.match(r"^\w+(Error|Exception): ", ln)]
     msg = errs[-1] if errs else (lines[0] if lines else "")
     return f"{type(e).__name__}: {msg}"[:300]
 
