@@ -58,10 +58,12 @@ def _nbytes(obj) -> int:
 
 _state = threading.local()
 
-# torch's functional collectives (DTensor redistribution, torch.optim.Muon on DTensors) go through dispatcher ops,
-# not the torch.distributed functions: a dispatch mode counts those. op name -> (kind, count its output?)
+# torch's functional collectives (DTensor redistributions, torch.optim.Muon on DTensors) are separate functions in
+# torch.distributed._functional_collectives that DTensor looks up at call time. name -> (kind, count the result?)
 _FUNCTIONAL = {
-    "all_gather_into_tensor": ("all_gather", True),
+    "all_gather_single": ("all_gather", True),
+    "all_gather_tensor": ("all_gather", True),
+    "reduce_scatter_single": ("reduce_scatter", False),
     "reduce_scatter_tensor": ("reduce_scatter", False),
     "all_reduce": ("all_reduce", False),
     "all_to_all_single": ("all_to_all", False),
@@ -69,58 +71,46 @@ _FUNCTIONAL = {
 }
 
 
-def _functional_counter(stats: CommStats):
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class FunctionalCollectiveCounter(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            ns = getattr(func, "namespace", "")
-            name = func._schema.name.split("::")[-1] if hasattr(func, "_schema") else ""
-            if ns == "_c10d_functional" and name in _FUNCTIONAL:
-                kind, use_output = _FUNCTIONAL[name]
-                stats.calls[kind] += 1
-                stats.bytes[kind] += _nbytes(out if use_output else args[0])
-            return out
-
-    return FunctionalCollectiveCounter()
-
-
 @contextmanager
 def count_collectives():
-    """Within the block, count every torch.distributed collective this process issues; yields a CommStats.
-
-    Nested calls (one collective implemented by another) count once."""
+    """Within the block, count every collective this process issues through torch.distributed or torch's functional
+    collectives; yields a CommStats. Nested calls (one collective implemented by another) count once."""
     stats = CommStats()
     originals = {}
 
-    def wrap(name, fn, kind, arg_index):
+    def wrap(fn, kind, arg_index):  # arg_index None: count the result's bytes
         def counted(*args, **kwargs):
-            if getattr(_state, "depth", 0) == 0:
-                if len(args) > arg_index:
+            outer = getattr(_state, "depth", 0) == 0
+            _state.depth = getattr(_state, "depth", 0) + 1
+            try:
+                out = fn(*args, **kwargs)
+            finally:
+                _state.depth -= 1
+            if outer:
+                if arg_index is None:
+                    obj = out
+                elif len(args) > arg_index:
                     obj = args[arg_index]
                 else:
                     obj = next((kwargs[k] for k in _INPUT_NAMES[arg_index] if k in kwargs), None)
                 stats.calls[kind] += 1
                 stats.bytes[kind] += _nbytes(obj)
-            _state.depth = getattr(_state, "depth", 0) + 1
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                _state.depth -= 1
+            return out
 
         counted.__wrapped__ = fn
         return counted
 
-    for name, (kind, idx) in _COUNTED.items():
-        fn = getattr(dist, name, None)
+    import torch.distributed._functional_collectives as funcol
+
+    targets = [(dist, name, kind, idx) for name, (kind, idx) in _COUNTED.items()]
+    targets += [(funcol, name, kind, None if res else 0) for name, (kind, res) in _FUNCTIONAL.items()]
+    for module, name, kind, idx in targets:
+        fn = getattr(module, name, None)
         if fn is not None:
-            originals[name] = fn
-            setattr(dist, name, wrap(name, fn, kind, idx))
-    mode = _functional_counter(stats)
+            originals[(module, name)] = fn
+            setattr(module, name, wrap(fn, kind, idx))
     try:
-        with mode:
-            yield stats
+        yield stats
     finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
+        for (module, name), fn in originals.items():
+            setattr(module, name, fn)

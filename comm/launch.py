@@ -11,6 +11,7 @@ import multiprocessing as mp
 import os
 import pickle
 import socket
+import sys
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -50,10 +51,18 @@ def _child(fn, rank, world_size, args, kwargs, store_path, timeout_s, threads, c
         conn.send(("ok", pickle.dumps(result)))
     except BaseException as e:  # report every failure to the parent, then exit non-zero
         conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-        os._exit(1)
+        _exit(1)
     finally:
         conn.close()
-    os._exit(0)
+    _exit(0)
+
+
+def _exit(code: int):
+    # os._exit skips the interpreter's shutdown (the parent's atexit handlers must not run in a forked child),
+    # so flush what the rank printed first.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def run_on_ranks(
