@@ -83,6 +83,8 @@ def run_on_ranks(
     # One thread per rank by default: a forked child of a parent whose OpenMP pool has run can hang in its first
     # parallel region (GNU OpenMP is not fork-safe), and W ranks share the cores anyway.
     threads = threads_per_rank or 1
+    # The first optimizer step in a process imports torch._dynamo (~2 s); do it once here, not once per rank.
+    import torch._dynamo  # noqa: F401
     ctx = mp.get_context("fork")
     with tempfile.TemporaryDirectory(prefix="ro-ranks-") as tmp:
         store_path = os.path.join(tmp, "store")
