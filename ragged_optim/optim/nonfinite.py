@@ -1,0 +1,227 @@
+"""What every optimizer here checks before it touches params or state: one call, ``guard_step(self)``.
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = ... closure ...
+        if guard_step(self):
+            return loss  # the step is skipped on every rank
+        ...
+
+Every step: non-finite gradients. Each rank flags the params whose local gradient holds a NaN or an Inf; one
+``all_reduce(MAX)`` of those flags (over the params' process group; the world when params span several groups, as
+with HSDP) makes every rank see the same flags, so every rank decides the same. The policy is ``opt.nonfinite``
+(set it with :func:`set_nonfinite_policy`):
+
+- ``"skip"`` (default): the step is skipped on every rank: no param and no optimizer state changes (so nothing
+  non-finite is ever written into them); ``opt.found_nonfinite`` counts skipped steps and a ``RuntimeWarning``
+  names the params. The grads are left as they are (``zero_grad`` clears them as usual).
+- ``"raise"``: a ``FloatingPointError`` naming the params, on every rank, before anything changes.
+- ``"off"``: no check (no collective); non-finite grads go into the update.
+
+First step only (results are cached on the optimizer):
+
+- every param has a floating, real dtype (integer and complex params get a TypeError naming the param);
+- no param is one that ``fully_shard`` replaced after the optimizer was built (such a param never gets a grad, so
+  the optimizer would silently do nothing). ``fully_shard`` marks the params it replaces with
+  ``_ragged_replaced_by`` (their name); without that mark, a plain param that has no grad and is not in the model
+  that the optimizer's sharded params belong to is taken for a replaced one;
+- every rank holds the same params: an ``all_gather`` of one hash of (group, full shape, dtype) of every param;
+  when the hashes differ, the ranks' lists are gathered and the error names the first param that differs.
+
+Plain (one-process) optimizers run no collective here.
+"""
+
+from __future__ import annotations
+
+import warnings
+import zlib
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ragged_optim.optim.base import full_shape, is_dtensor, local
+from ragged_optim.sharding import shard_info
+
+__all__ = ["NONFINITE_POLICIES", "REPLACED_ATTR", "guard_step", "nonfinite_params", "set_nonfinite_policy"]
+
+NONFINITE_POLICIES = ("skip", "raise", "off")
+#: Set by ``fully_shard`` on each param it replaces (the value is the param's name in the sharded module).
+REPLACED_ATTR = "_ragged_replaced_by"
+_CHECKED = "_ragged_guard_checked"
+
+
+def set_nonfinite_policy(opt: torch.optim.Optimizer, policy: str) -> None:
+    """``"skip"`` (default), ``"raise"`` or ``"off"``: what ``opt.step()`` does with NaN/Inf gradients."""
+    if policy not in NONFINITE_POLICIES:
+        raise ValueError(f"nonfinite policy must be one of {NONFINITE_POLICIES}, got {policy!r}")
+    opt.nonfinite = policy
+
+
+def _params(opt) -> list[tuple[int, int, Tensor]]:
+    return [(gi, i, p) for gi, g in enumerate(opt.param_groups) for i, p in enumerate(g["params"])]
+
+
+def _label(opt, gi: int, i: int, p: Tensor) -> str:
+    names = opt.param_groups[gi].get("param_names")
+    name = getattr(p, REPLACED_ATTR, None) or (names[i] if names else None)
+    info = shard_info(p)
+    name = name or (info.name if info is not None else None)
+    named = f" ({name!r})" if name else ""
+    return f"param_groups[{gi}]['params'][{i}]{named} with shape {tuple(full_shape(p))}"
+
+
+def _is_distributed(p: Tensor) -> bool:
+    return shard_info(p) is not None or is_dtensor(p)
+
+
+def _agreement_group(params: list[Tensor]):
+    """The process group all ranks taking part in this optimizer's step share; None when none is distributed."""
+    groups = {}
+    for p in params:
+        info = shard_info(p)
+        if info is not None:
+            groups[id(info.unit.group)] = info.unit.group
+            if info.unit.replicate_group is not None:
+                return dist.group.WORLD
+        elif is_dtensor(p):
+            mesh = p.device_mesh
+            if mesh.ndim != 1:
+                return dist.group.WORLD
+            g = mesh.get_group()
+            groups[id(g)] = g
+    if not groups:
+        return None
+    if len(groups) == 1:
+        return next(iter(groups.values()))
+    return dist.group.WORLD
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# first-step checks
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _check_dtypes(opt, entries) -> None:
+    cls = type(opt).__name__
+    for gi, i, p in entries:
+        if p.is_complex():
+            raise TypeError(
+                f"{cls}: {_label(opt, gi, i, p)} is complex ({p.dtype}); our optimizers support real params only: "
+                "view it as real (torch.view_as_real) in the model, or give it to torch.optim.AdamW"
+            )
+        if not p.is_floating_point():
+            raise TypeError(
+                f"{cls}: {_label(opt, gi, i, p)} has dtype {p.dtype}; only floating-point params can be optimized. "
+                "Leave it out of the optimizer (register it as a buffer if it is state, not a weight)"
+            )
+
+
+def _check_not_replaced(opt, entries) -> None:
+    cls = type(opt).__name__
+    fix = (
+        "build the optimizer after fully_shard, from model.parameters() (fully_shard replaces the module's params "
+        "with sharded ones; the old ones get no gradient)"
+    )
+    for gi, i, p in entries:
+        if getattr(p, REPLACED_ATTR, None) is not None:
+            raise RuntimeError(
+                f"{cls}: {_label(opt, gi, i, p)} was replaced by fully_shard after the optimizer was built; {fix}"
+            )
+    modules = {id(m): m for _, _, p in entries if (info := shard_info(p)) is not None for m in [info.unit.module]}
+    if not modules:
+        return
+    reachable = {id(q) for m in modules.values() for q in m.parameters()}
+    for gi, i, p in entries:
+        if not _is_distributed(p) and p.grad is None and id(p) not in reachable:
+            raise RuntimeError(
+                f"{cls}: {_label(opt, gi, i, p)} is a plain tensor with no gradient that is not in the sharded model "
+                f"of the optimizer's other params: it looks like a param fully_shard replaced; {fix}"
+            )
+
+
+def _describe(opt, entries) -> list[tuple]:
+    return [(gi, tuple(full_shape(p)), str(p.dtype)) for gi, _, p in entries]
+
+
+def _check_same_params(opt, entries, group) -> None:
+    desc = _describe(opt, entries)
+    h = torch.tensor([zlib.crc32(repr(desc).encode()), len(desc)], dtype=torch.int64)
+    world = dist.get_world_size(group)
+    out = [torch.zeros_like(h) for _ in range(world)]
+    dist.all_gather(out, h, group=group)
+    if all(torch.equal(o, out[0]) for o in out):
+        return
+    descs: list = [None] * world
+    dist.all_gather_object(descs, desc, group=group)
+    cls = type(opt).__name__
+    r = next(k for k in range(world) if descs[k] != descs[0])
+    a, b = descs[0], descs[r]
+    j = next((k for k in range(min(len(a), len(b))) if a[k] != b[k]), min(len(a), len(b)))
+    where = (
+        f"param {j}: group {a[j][0]}, shape {a[j][1]}, {a[j][2]} on rank 0 but group {b[j][0]}, shape {b[j][1]}, "
+        f"{b[j][2]} on rank {r}"
+        if j < min(len(a), len(b))
+        else f"rank 0 has {len(a)} params, rank {r} has {len(b)}"
+    )
+    raise RuntimeError(
+        f"{cls}.step(): ranks disagree on the optimizer's params ({where}). Every rank must build the optimizer "
+        "from the same model with the same param groups, in the same order (a rank-dependent filter, e.g. on "
+        "requires_grad or on which params are non-empty locally, makes them differ)"
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# non-finite grads
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def nonfinite_params(opt, entries=None, group=None) -> list[int]:
+    """Indices (into the flat param list) of params whose gradient holds a NaN/Inf on some rank (a collective
+    when ``group`` is not None: every rank gets the same list)."""
+    entries = _params(opt) if entries is None else entries
+    flags = torch.zeros(len(entries), dtype=torch.float32)
+    for k, (_, _, p) in enumerate(entries):
+        g = local(p.grad)
+        if g is not None and g.numel() and not bool(torch.isfinite(g).all()):
+            flags[k] = 1.0
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    return [int(k) for k in torch.nonzero(flags).flatten()]
+
+
+def guard_step(opt: torch.optim.Optimizer) -> bool:
+    """Run the checks of this module for ``opt.step()``; True means: skip this step (on every rank)."""
+    entries = _params(opt)
+    params = [p for _, _, p in entries]
+    group = _agreement_group(params) if dist.is_available() and dist.is_initialized() else None
+    if not opt.__dict__.get(_CHECKED):
+        _check_dtypes(opt, entries)
+        _check_not_replaced(opt, entries)
+        if group is not None and dist.get_world_size(group) > 1:
+            _check_same_params(opt, entries, group)
+        opt.__dict__[_CHECKED] = True
+    policy = opt.__dict__.get("nonfinite", "skip")
+    if policy == "off":
+        return False
+    if policy not in NONFINITE_POLICIES:
+        raise ValueError(f"{type(opt).__name__}.nonfinite must be one of {NONFINITE_POLICIES}, got {policy!r}")
+    bad = nonfinite_params(opt, entries, group)
+    if not bad:
+        return False
+    labels = [_label(opt, *entries[k]) for k in bad]
+    shown = "; ".join(labels[:4]) + (f" and {len(labels) - 4} more" if len(labels) > 4 else "")
+    cls = type(opt).__name__
+    if policy == "raise":
+        raise FloatingPointError(
+            f"{cls}.step(): non-finite (NaN or Inf) gradient in {shown}; nothing was updated. Lower the lr, clip "
+            "gradients, or set_nonfinite_policy(opt, 'skip') to skip such steps"
+        )
+    opt.found_nonfinite = opt.__dict__.get("found_nonfinite", 0) + 1
+    warnings.warn(
+        f"{cls}.step(): skipped (step {opt.found_nonfinite} so far with non-finite grads): NaN or Inf gradient in "
+        f"{shown}; params and optimizer state are unchanged",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    return True
