@@ -397,19 +397,23 @@ def _ns_cost(shape: tuple[int, ...], numel: int) -> float:
     return float(m) * n * min(m, n)
 
 
-def _assign_owners(layout: Layout, load: np.ndarray) -> Layout:
-    """Owners of the owner-computed blocks: LPT on Newton-Schulz cost over ranks already carrying ``load``
-    (updated in place), preferring the rank holding the largest piece while it stays under the balanced cap."""
-    S, W = layout.shard_size, layout.world_size
-    comp = []
+def _owner_computed(layout: Layout, tag) -> list[tuple]:
+    """``(cost, key, holder)`` of every owner-computed block; key = ``(tag, tensor index, block start)``."""
+    S = layout.shard_size
+    out = []
     for i, (shape, spec, blocks) in enumerate(zip(layout.shapes, layout.specs, layout.owned_blocks)):
         if spec.owner_computed:
             off = layout.offsets[i]
-            comp.extend(
-                (_ns_cost(shape, b.end - b.start), i, b.start, b.end, _holder(off, b.start, b.end, S)) for b in blocks
+            out.extend(
+                (_ns_cost(shape, b.end - b.start), (tag, i, b.start), _holder(off, b.start, b.end, S)) for b in blocks
             )
-    if not comp:
-        return layout
+    return out
+
+
+def _lpt_owners(comp: list[tuple], load: np.ndarray) -> dict:
+    """LPT on Newton-Schulz cost over ranks already carrying ``load`` (updated in place), preferring the rank
+    holding the largest piece while it stays under the balanced cap (then the block needs no communication)."""
+    W = len(load)
     total = sum(c[0] for c in comp)
     cap = max((float(load.sum()) + total) / W, max(c[0] for c in comp)) * (1 + _OWNER_SLACK)
     # Only the len(comp) least-loaded ranks can be the least loaded when a block is placed (each placement touches
@@ -418,9 +422,8 @@ def _assign_owners(layout: Layout, load: np.ndarray) -> Layout:
     idx = np.argpartition(load, k - 1)[:k] if k < W else np.arange(W)
     heap = [(float(load[r]), int(r)) for r in idx]
     heapq.heapify(heap)
-    comp.sort(key=lambda c: (-c[0], c[1], c[2]))
-    owners: dict[tuple[int, int], int] = {}
-    for cost, i, a, _b, h in comp:
+    owners: dict = {}
+    for cost, key, h in sorted(comp, key=lambda c: (-c[0], c[1])):
         if load[h] + cost <= cap:
             owner = h
         else:
@@ -431,12 +434,37 @@ def _assign_owners(layout: Layout, load: np.ndarray) -> Layout:
             owner = r
         load[owner] += cost
         heapq.heappush(heap, (float(load[owner]), owner))
-        owners[(i, a)] = owner
+        owners[key] = owner
+    return owners
+
+
+def _with_owners(layout: Layout, owners: dict, tag) -> Layout:
     owned = tuple(
-        tuple(OwnedBlock(b.start, b.end, owners[(i, b.start)], False) if spec.owner_computed else b for b in blocks)
+        tuple(
+            OwnedBlock(b.start, b.end, owners[(tag, i, b.start)], False) if spec.owner_computed else b for b in blocks
+        )
         for i, (spec, blocks) in enumerate(zip(layout.specs, layout.owned_blocks))
     )
     return dataclasses.replace(layout, owned_blocks=owned)
+
+
+def _assign_owners(layout: Layout, load: np.ndarray) -> Layout:
+    comp = _owner_computed(layout, 0)
+    if not comp:
+        return layout
+    return _with_owners(layout, _lpt_owners(comp, load), 0)
+
+
+def assign_owners_jointly(layouts: Sequence[Layout]) -> list[Layout]:
+    """Re-assign the owners of the owner-computed blocks of several units that share one process group, largest
+    block first over all of them (planning unit by unit with a running load places each unit's large matrices
+    before the next unit's, which balances worse). Data placement is unchanged; only who computes moves."""
+    layouts = list(layouts)
+    comp = [c for t, lay in enumerate(layouts) for c in _owner_computed(lay, t)]
+    if not comp:
+        return layouts
+    owners = _lpt_owners(comp, np.zeros(layouts[0].world_size))
+    return [_with_owners(lay, owners, t) for t, lay in enumerate(layouts)]
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -305,3 +305,18 @@ def test_moe_models_overhead_small(name, W):
 def test_llama_no_split_matches_reference_point():
     # No-split at W=128, G=16 needs S to be a multiple of lcm(16*8192, 16*28672): about 10% padding.
     assert _model_overhead("llama3-70b", 128, 16, allow_split=False) <= 0.11
+
+
+def test_joint_owner_assignment_balances_units_largest_first():
+    from ragged_optim.sharding.planner import assign_owners_jointly, owner_compute_loads
+
+    dims = (256, 1024, 256, 512, 512, 256, 768, 256, 1024, 256, 384)  # the Muon benchmark's chain of Linears
+    shapes = [(dims[i + 1], dims[i]) for i in range(len(dims) - 1)]
+    layouts = [
+        plan_unit([TensorSpec(f"w{i}", s, 4, BlockSpec.matrices(s))], 4, compute_load=np.zeros(4))
+        for i, s in enumerate(shapes)
+    ]
+    joint = assign_owners_jointly(layouts)
+    load = sum(owner_compute_loads(lay) for lay in joint)
+    assert load.max() / load.mean() <= 1.1
+    assert [lay.offsets for lay in joint] == [lay.offsets for lay in layouts]  # only owners move

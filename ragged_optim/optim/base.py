@@ -23,6 +23,7 @@ from ragged_optim.sharding.owner_routes import (
     dtensor_local_ranges,
     ragged_routes,
 )
+from ragged_optim.sharding.planner import assign_owners_jointly
 
 
 def is_dtensor(t: torch.Tensor) -> bool:
@@ -64,7 +65,7 @@ def local_ranges(p: torch.Tensor) -> list[tuple[int, int]]:
 def request_block_specs(entries: list[tuple[torch.Tensor, BlockSpec]], *, allow_split: bool = True) -> None:
     """Ask the sharding layer to keep these blocks whole: each ragged unit concerned re-plans once (a collective
     on its group; every rank must call this with the same entries, in the same order). Owner compute is balanced
-    across the units of one group. Plain and DTensor params need nothing here."""
+    jointly across the units of one group. Plain and DTensor params need nothing here."""
     by_unit: dict[int, tuple] = {}
     for p, spec in entries:
         info = shard_info(p)
@@ -72,10 +73,13 @@ def request_block_specs(entries: list[tuple[torch.Tensor, BlockSpec]], *, allow_
             continue
         unit = info.unit
         by_unit.setdefault(id(unit), (unit, {}))[1][info.index] = spec
-    loads: dict = {}
+    groups: dict = {}
     for unit, specs in by_unit.values():
-        load = loads.setdefault(id(unit.group), np.zeros(unit.world_size))
-        unit.relayout(specs, allow_split=allow_split, compute_load=load)
+        unit.relayout(specs, allow_split=allow_split)
+        groups.setdefault(id(unit.group), []).append(unit)
+    for units in groups.values():  # owners of all units of a group, balanced together (largest matrix first)
+        for unit, layout in zip(units, assign_owners_jointly([u.layout for u in units])):
+            unit.layout = layout
 
 
 def lock_layouts(params) -> None:
