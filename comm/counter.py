@@ -43,6 +43,12 @@ class CommStats:
     def total_bytes(self) -> int:
         return sum(self.bytes.values())
 
+    def add(self, other: CommStats) -> None:
+        for k, v in other.calls.items():
+            self.calls[k] += v
+        for k, v in other.bytes.items():
+            self.bytes[k] += v
+
     def as_dict(self) -> dict:
         return {"calls": dict(self.calls), "bytes": dict(self.bytes)}
 

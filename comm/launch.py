@@ -85,6 +85,7 @@ def run_on_ranks(
     threads = threads_per_rank or 1
     # The first optimizer step in a process imports torch._dynamo (~2 s); do it once here, not once per rank.
     import torch._dynamo  # noqa: F401
+
     ctx = mp.get_context("fork")
     with tempfile.TemporaryDirectory(prefix="ro-ranks-") as tmp:
         store_path = os.path.join(tmp, "store")
@@ -118,7 +119,10 @@ def _collect(procs, conns, timeout_s: float) -> list[Any]:
                     try:
                         status, payload = conn.recv()
                     except EOFError:
-                        status, payload = "error", f"rank {rank} exited (code {procs[rank].exitcode}) without a result"
+                        status, payload = (
+                            "error",
+                            f"rank {rank} died (exit code {procs[rank].exitcode}) without a result",
+                        )
                     if status == "ok":
                         results[rank] = pickle.loads(payload)
                         pending.discard(rank)
@@ -126,12 +130,12 @@ def _collect(procs, conns, timeout_s: float) -> list[Any]:
                         failure = RankFailure(f"rank {rank} failed: {payload}")
                         break
                 elif not procs[rank].is_alive() and not conn.poll(0):
-                    failure = RankFailure(f"rank {rank} died with exit code {procs[rank].exitcode} and no result")
+                    failure = RankFailure(_died(rank, procs))
                     break
             if failure is None and time.monotonic() > deadline:
                 failure = RankFailure(f"ranks {sorted(pending)} did not finish within {timeout_s:.0f} s")
         if failure is not None:
-            failure = _with_peer_errors(failure, conns, pending)
+            failure = _with_peer_errors(failure, procs, conns, pending)
     finally:
         for p in procs:
             if failure is not None and p.is_alive():
@@ -142,7 +146,11 @@ def _collect(procs, conns, timeout_s: float) -> list[Any]:
     return results
 
 
-def _with_peer_errors(failure: RankFailure, conns, pending, grace_s: float = 2.0) -> RankFailure:
+def _died(rank: int, procs) -> str:
+    return f"rank {rank} died (exit code {procs[rank].exitcode}) without a result"
+
+
+def _with_peer_errors(failure: RankFailure, procs, conns, pending, grace_s: float = 2.0) -> RankFailure:
     """When one rank fails, its peers usually fail too (a closed connection); gather them for a short grace
     period so the report shows the rank that failed first in its own words, not only a peer's echo."""
     import time
@@ -157,9 +165,11 @@ def _with_peer_errors(failure: RankFailure, conns, pending, grace_s: float = 2.0
                 try:
                     status, payload = conns[rank].recv()
                 except EOFError:
+                    procs[rank].join(timeout=1)
+                    messages.append(_died(rank, procs))
                     continue
                 if status == "error" and f"rank {rank} failed" not in messages[0]:
                     messages.append(f"rank {rank} failed: {payload}")
-    # A user exception reads better than the peers' transport errors: put those last.
-    messages.sort(key=lambda m: "gloo" in m.split("\n", 1)[0])
+    # The rank that died or raised reads better than the peers' transport errors: those go last.
+    messages.sort(key=lambda m: (" died " not in m, "gloo" in m.split("\n", 1)[0]))
     return RankFailure("\n".join(messages))

@@ -7,7 +7,9 @@ ro.fully_shard(model)
 opt = ro.Muon(ro.muon_param_groups(model), lr=0.02)
 """
 
+from ragged_optim.checkpoint import get_full_optimizer_state_dict, load_checkpoint, save_checkpoint
 from ragged_optim.optim import AdamW8bit, Muon, Shampoo, muon_param_groups
+from ragged_optim.optim.nonfinite import set_nonfinite_policy
 from ragged_optim.sharding import (
     BlockSpec,
     CommPolicy,
@@ -23,6 +25,10 @@ from ragged_optim.sharding import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "get_full_optimizer_state_dict",
+    "load_checkpoint",
+    "save_checkpoint",
+    "set_nonfinite_policy",
     "AdamW8bit",
     "Shampoo",
     "BlockSpec",

@@ -165,6 +165,8 @@ def fully_shard(
     params, names, refs = _collect_params(module)
     _check_params(module, params, names)
     unit = FlatUnit(module, params, names, refs, group, mp_policy, comm_policy, replicate_group)
+    for p, n in zip(params, names):  # an optimizer built on these old params can then say what happened
+        p._ragged_replaced_by = n
     if block_policy is not None:
         specs = {i: s for i, (n, p) in enumerate(zip(names, params)) if (s := block_policy(n, p)) is not None}
         unit.relayout(specs)

@@ -102,7 +102,6 @@ def test_lost_rank_fails_fast(mode, timeout_s):
         assert elapsed < 10.0  # a dead peer closes its connections: no need to wait for the timeout
 
 
-@pytest.mark.xfail(reason="needs the comm/launch.py patch in docs/faults.md (name a dead peer)", strict=False)
 def test_dead_rank_is_named():
     with pytest.raises(RankFailure) as exc:
         run_on_ranks(die_mid_step, 3, "die", timeout_s=10.0)

@@ -17,21 +17,12 @@ import zlib
 import pytest
 import torch
 
-from ragged_optim.train import (
-    DEFAULT_OPTIMIZER,
-    OPTIMIZERS,
-    CommCounter,
-    Progress,
-    _write_png,
-    add_parser,
-    latest_checkpoint,
-    lr_multiplier,
-    main,
-    make_optimizer,
-    optimizer_state_bytes,
-    param_bytes,
-    write_loss_png,
-)
+from ragged_optim.comm.counter import count_collectives
+from ragged_optim.train import DEFAULT_OPTIMIZER, OPTIMIZERS, add_parser, lr_multiplier, main, make_optimizer
+from ragged_optim.train.accounting import optimizer_state_bytes, param_bytes
+from ragged_optim.train.checkpointing import latest_checkpoint
+from ragged_optim.train.loss_plot import _write_png, write_loss_png
+from ragged_optim.train.progress import Progress
 
 STEPS = 6
 COMMON = [
@@ -100,7 +91,7 @@ def test_sharded_run_writes_summary_and_plot(sharded_run):
     assert s["fsdp"] == "torch" and s["world_size"] == 2 and len(s["losses"]) == STEPS
     assert s["losses"][-1] < s["losses"][0]
     assert s["collectives_per_step"] > 0 and s["comm_bytes_per_step"] > 0
-    assert "reduce_scatter_single" in s["comm_by_collective"] or "reduce_scatter_tensor" in s["comm_by_collective"]
+    assert {"all_gather", "reduce_scatter"} <= s["comm_by_collective"].keys()
     # each rank holds about half of the fp32 params and two AdamW moments of that half
     full = s["n_params"] * 4
     for pb, ob in zip(s["param_bytes_per_rank"], s["optimizer_state_bytes_per_rank"]):
@@ -181,7 +172,7 @@ def test_comm_counter_patches_and_restores():
     import torch.distributed as dist
 
     orig = dist.all_reduce
-    with CommCounter() as counter:
+    with count_collectives() as counter:
         assert dist.all_reduce is not orig and dist.all_reduce.__wrapped__ is orig
     assert dist.all_reduce is orig and counter.total_calls == 0
 

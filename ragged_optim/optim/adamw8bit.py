@@ -39,8 +39,9 @@ from ragged_optim.kernels import (
     quantize_blockwise,
 )
 from ragged_optim.kernels.adamw8bit_ref import ieee_sqrt_
-from ragged_optim.optim.base import full_shape, is_dtensor, local, lock_layouts, request_block_specs
+from ragged_optim.optim.base import full_shape, is_dtensor, local, request_block_specs
 from ragged_optim.optim.muon import adamw_update_
+from ragged_optim.optim.optimizer import RaggedOptimizer
 from ragged_optim.sharding import BlockSpec, shard_info
 
 __all__ = ["AdamW8bit", "DEFAULT_QMAPS", "STATE_KEYS_8BIT"]
@@ -55,7 +56,7 @@ def _scalar(x: Any) -> float:
     return x.item() if isinstance(x, Tensor) else x
 
 
-class AdamW8bit(torch.optim.Optimizer):
+class AdamW8bit(RaggedOptimizer):
     """AdamW (decoupled weight decay) with 8-bit block-wise quantized moments.
 
     Args:
@@ -252,12 +253,15 @@ class AdamW8bit(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # torch.optim.Optimizer casts every state tensor to its param's dtype (uint8 codes would become fp32):
         # load the 8-bit entries ourselves, keeping their dtype.
+        from ragged_optim.checkpoint import check_optimizer_state_dict
+
+        check_optimizer_state_dict(self, state_dict)
         plain = dict(state_dict)
         plain["state"], codes = {}, {}
         for k, v in state_dict["state"].items():
             plain["state"][k] = {kk: vv for kk, vv in v.items() if kk not in STATE_KEYS_8BIT}
             codes[k] = {kk: vv for kk, vv in v.items() if kk in STATE_KEYS_8BIT}
-        super().load_state_dict(plain)
+        torch.optim.Optimizer.load_state_dict(self, plain)
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
         for k, p in zip(saved_ids, params):
@@ -364,13 +368,9 @@ class AdamW8bit(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
         """One optimizer step; ``closure`` (optional) re-evaluates the model and returns the loss."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        if not self.__dict__.get("_layouts_locked"):
-            lock_layouts(p for g in self.param_groups for p in g["params"])
-            self._layouts_locked = True
+        loss, skip = self._begin_step(closure)
+        if skip:
+            return loss
         for group in self.param_groups:
             for p in group["params"]:
                 grad = self._grad_of(p)

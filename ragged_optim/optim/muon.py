@@ -35,10 +35,10 @@ from ragged_optim.optim.base import (
     BlockPlan,
     full_shape,
     local,
-    lock_layouts,
     process_group,
     request_block_specs,
 )
+from ragged_optim.optim.optimizer import RaggedOptimizer
 from ragged_optim.sharding import BlockSpec
 
 __all__ = ["Muon", "MuonItem", "adamw_update_", "adjust_lr", "BF16_NS_REL_TOL"]
@@ -120,7 +120,7 @@ def _scalar(x: Any) -> float:
     return x.item() if isinstance(x, Tensor) else x
 
 
-class Muon(torch.optim.Optimizer):
+class Muon(RaggedOptimizer):
     """Muon (MomentUm Orthogonalized by Newton-Schulz) for matrices, AdamW for the rest.
 
     Args:
@@ -463,13 +463,9 @@ class Muon(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
         """One optimizer step; ``closure`` (optional) re-evaluates the model and returns the loss."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        if not self.__dict__.get("_layouts_locked"):
-            lock_layouts(p for g in self.param_groups for p in g["params"])
-            self._layouts_locked = True
+        loss, skip = self._begin_step(closure)
+        if skip:
+            return loss
         items: list[MuonItem] = []
         for gi, group in enumerate(self.param_groups):
             for i, p in enumerate(group["params"]):

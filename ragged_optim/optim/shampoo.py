@@ -46,10 +46,10 @@ from ragged_optim.optim.base import (
     full_shape,
     is_dtensor,
     local,
-    lock_layouts,
     process_group,
     request_block_specs,
 )
+from ragged_optim.optim.optimizer import RaggedOptimizer
 from ragged_optim.sharding import BlockSpec, shard_info
 
 __all__ = ["Shampoo", "GRAFTING_METHODS", "shampoo_band_spec", "matrix_view_shape"]
@@ -178,7 +178,7 @@ def _vector_update(g: Tensor, state: dict, t: int, hp: dict) -> Tensor:
     return g * (diag + hp["epsilon"]).pow(-_exponent(hp, 1))
 
 
-class Shampoo(torch.optim.Optimizer):
+class Shampoo(RaggedOptimizer):
     """Shampoo with blocked Kronecker-factored preconditioners and grafting (the published distributed Shampoo
     semantics), for plain tensors and ``ragged_optim.fully_shard`` params. See docs/shampoo.md.
 
@@ -468,13 +468,9 @@ class Shampoo(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
         """One optimizer step; ``closure`` (optional) re-evaluates the model and returns the loss."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        if not self.__dict__.get("_layouts_locked"):
-            lock_layouts(p for g in self.param_groups for p in g["params"])
-            self._layouts_locked = True
+        loss, skip = self._begin_step(closure)
+        if skip:
+            return loss
         todo: list[tuple[Tensor, Tensor, dict, Tensor]] = []  # (param, grad, group, local flat update)
         matrix_items: list[tuple] = []
         for gi, group in enumerate(self.param_groups):

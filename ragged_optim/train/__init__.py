@@ -1,0 +1,95 @@
+"""`ragged-optim train`, the project's main job: the small GPT on the standard library's own source, sharded with
+our FSDP (or torch's), trained with the chosen optimizer. See ``loop`` for how a run is launched."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from ragged_optim.train import loop
+from ragged_optim.train.config import FSDP_KINDS, TrainConfig, lr_multiplier
+from ragged_optim.train.loop import format_summary, run, shard_model, train_rank
+from ragged_optim.train.optimizers import DEFAULT_OPTIMIZER, OPTIMIZERS, make_optimizer
+
+__all__ = [
+    "DEFAULT_OPTIMIZER",
+    "FSDP_KINDS",
+    "OPTIMIZERS",
+    "TrainConfig",
+    "add_parser",
+    "format_summary",
+    "lr_multiplier",
+    "main",
+    "make_optimizer",
+    "run",
+    "shard_model",
+    "train_rank",
+]
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    d = TrainConfig()
+    p = subparsers.add_parser(
+        "train",
+        help="train the small GPT with FSDP and a chosen optimizer",
+        description=loop.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default=d.optimizer)
+    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--world-size", type=int, default=d.world_size, help="local gloo ranks (ignored under torchrun)")
+    p.add_argument("--preset", default=d.preset, help="model preset: tiny, small, bench20m")
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="global batch size (sequences per step)")
+    p.add_argument("--seq-len", type=int, default=None, help="override the preset's sequence length")
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the optimizer's)")
+    p.add_argument("--warmup-steps", type=int, default=None)
+    p.add_argument("--checkpoint-dir", default=None)
+    p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every)
+    p.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
+    p.add_argument("--out", default=d.out, help="folder for summary.json and loss.png")
+    p.add_argument("--fsdp", choices=FSDP_KINDS, default=d.fsdp, help="'none': one unsharded process")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--eval-batches", type=int, default=d.eval_batches)
+    p.add_argument("--timeout", type=float, default=d.timeout_s, help="seconds before a stuck run is aborted")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=main_from_args)
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    return TrainConfig(
+        optimizer=args.optimizer,
+        steps=args.steps,
+        world_size=args.world_size,
+        preset=args.preset,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        lr=args.lr,
+        warmup_steps=args.warmup_steps,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every,
+        resume=args.resume,
+        out=args.out,
+        fsdp=args.fsdp,
+        seed=args.seed,
+        eval_batches=args.eval_batches,
+        timeout_s=args.timeout,
+        progress=not args.no_progress,
+    )
+
+
+def main_from_args(args: argparse.Namespace) -> int:
+    summary = run(config_from_args(args))
+    if summary is not None:
+        print(format_summary(summary))
+        print(f"wrote {os.path.join(args.out, 'summary.json')} and {os.path.join(args.out, 'loss.png')}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m ragged_optim.train ...``: the `train` subcommand on its own."""
+    parser = argparse.ArgumentParser(prog="ragged-optim")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["train", *(sys.argv[1:] if argv is None else argv)])
+    return args.func(args)

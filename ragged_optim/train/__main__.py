@@ -1,0 +1,3 @@
+from ragged_optim.train import main
+
+raise SystemExit(main())

@@ -1,0 +1,219 @@
+"""`ragged-optim train`: train the small GPT on byte-level stdlib source with FSDP and a chosen optimizer.
+
+Launch: under torchrun (RANK and WORLD_SIZE set) each process is one rank (NCCL on CUDA, else gloo); otherwise
+``--world-size`` gloo ranks are forked on this machine's CPUs. ``--fsdp none`` trains one plain process: the
+reference that sharded runs must match (same seed, same global batches, same losses).
+
+Rank 0 shows a one-line progress bar on stderr and, at the end, prints a summary and writes ``<out>/summary.json``
+and ``<out>/loss.png``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ragged_optim.comm.counter import CommStats, count_collectives
+from ragged_optim.data import get_batch, load_corpus
+from ragged_optim.models import GPT, build_model, num_params
+from ragged_optim.train.accounting import optimizer_state_bytes, param_bytes
+from ragged_optim.train.checkpointing import Checkpointer, latest_checkpoint
+from ragged_optim.train.config import TrainConfig, lr_multiplier
+from ragged_optim.train.loss_plot import write_loss_png
+from ragged_optim.train.optimizers import OPTIMIZERS, make_optimizer
+from ragged_optim.train.progress import Progress
+
+
+def shard_model(model: GPT, kind: str) -> str:
+    """FSDP per block, then the root: ours (RaggedShard), torch's FSDP2, or none. Returns ``kind``."""
+    if kind == "none":
+        return kind
+    if kind == "ours":
+        from ragged_optim.sharding import fully_shard
+    else:
+        from torch.distributed.fsdp import fully_shard
+    for block in model.layers:
+        fully_shard(block)
+    fully_shard(model)
+    return kind
+
+
+def _mean_over_ranks(x: torch.Tensor, world_size: int) -> torch.Tensor:
+    if world_size > 1:
+        dist.all_reduce(x)
+        x = x / world_size
+    return x
+
+
+def train_rank(rank: int, world_size: int, cfg: TrainConfig, device: str | torch.device = "cpu") -> dict | None:
+    """Train on this rank (the default process group is initialised when world_size > 1). Rank 0 returns the
+    summary dict and writes ``<out>/summary.json`` and ``<out>/loss.png``; other ranks return None."""
+    cfg.validate(world_size)
+    device = torch.device(device)
+    torch.manual_seed(cfg.seed + rank)
+    mcfg = cfg.model_config()
+    model = build_model(mcfg, seed=cfg.seed).to(device)
+    n_params = num_params(model)
+    fsdp = shard_model(model, cfg.fsdp)
+    opt = make_optimizer(cfg.optimizer, model, cfg.lr)
+    for group in opt.param_groups:
+        group.setdefault("initial_lr", group["lr"])
+    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else min(20, cfg.steps // 10)
+
+    ckpt = (
+        Checkpointer(cfg.checkpoint_dir, fsdp, rank, world_size, cfg.keep_checkpoints) if cfg.checkpoint_dir else None
+    )
+    start, losses = 0, []
+    if cfg.resume and ckpt is not None:
+        path = latest_checkpoint(cfg.checkpoint_dir)
+        if path is None:
+            if rank == 0:
+                print(f"no complete checkpoint in {cfg.checkpoint_dir}; starting from step 0", file=sys.stderr)
+        else:
+            meta = ckpt.load(path, model, opt)
+            start, losses = meta["step"], list(meta.get("losses", []))
+            if rank == 0:
+                print(f"resumed from {path} at step {start}", file=sys.stderr, flush=True)
+
+    tokens_per_step = cfg.batch_size * mcfg.seq_len
+    progress = Progress(cfg.steps, enabled=cfg.progress and rank == 0)
+    counter = CommStats()  # the collectives of forward, backward and the optimizer step, summed over steps
+    train_time = 0.0
+    for step in range(start, cfg.steps):
+        t0 = time.perf_counter()
+        mult = lr_multiplier(step, cfg.steps, warmup)
+        for group in opt.param_groups:
+            group["lr"] = group["initial_lr"] * mult
+        x, y = get_batch("train", cfg.batch_size, mcfg.seq_len, step, rank, world_size, cfg.seed)
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        with count_collectives() as stats:
+            loss = model(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        counter.add(stats)
+        loss_avg = _mean_over_ranks(loss.detach().clone(), world_size).item()
+        train_time += time.perf_counter() - t0
+        losses.append(loss_avg)
+        done = step + 1
+        progress.update(done, loss_avg, tokens_per_step * (done - start) / max(train_time, 1e-9))
+        if ckpt is not None and (done % cfg.checkpoint_every == 0 or done == cfg.steps):
+            ckpt.save(done, model, opt, {"losses": losses, "seed": cfg.seed, "optimizer": cfg.optimizer})
+    progress.close()
+    steps_run = cfg.steps - start
+
+    # Measured before evaluation: FSDP keeps the root unit unsharded after a forward with no backward.
+    mem = [param_bytes(model), optimizer_state_bytes(opt)]
+    with torch.no_grad():
+        val = torch.zeros((), device=device)
+        for i in range(cfg.eval_batches):
+            x, y = get_batch("val", cfg.batch_size, mcfg.seq_len, i, rank, world_size, cfg.seed)
+            val += model(x.to(device), y.to(device)).detach()
+        val_loss = _mean_over_ranks(val / max(1, cfg.eval_batches), world_size).item() if cfg.eval_batches else None
+
+    if world_size > 1:
+        gathered: list[Any] = [None] * world_size
+        dist.all_gather_object(gathered, mem)
+    else:
+        gathered = [mem]
+    if rank != 0:
+        return None
+
+    per_step = max(1, steps_run)
+    summary = {
+        "optimizer": cfg.optimizer,
+        "fsdp": fsdp,
+        "fsdp_requested": cfg.fsdp,
+        "preset": cfg.preset,
+        "n_params": n_params,
+        "world_size": world_size,
+        "device": str(device),
+        "steps": cfg.steps,
+        "start_step": start,
+        "batch_size": cfg.batch_size,
+        "seq_len": mcfg.seq_len,
+        "lr": cfg.lr if cfg.lr is not None else OPTIMIZERS[cfg.optimizer].default_lr,
+        "seed": cfg.seed,
+        "initial_train_loss": losses[0] if losses else None,
+        "final_train_loss": losses[-1] if losses else None,
+        "final_train_loss_avg10": sum(losses[-10:]) / len(losses[-10:]) if losses else None,
+        "val_loss": val_loss,
+        "tokens_per_s": tokens_per_step * steps_run / train_time if train_time > 0 else None,
+        "train_time_s": train_time,
+        "comm_bytes_per_step": counter.total_bytes / per_step,
+        "collectives_per_step": counter.total_calls / per_step,
+        "comm_by_collective": {
+            k: {"calls_per_step": counter.calls[k] / per_step, "bytes_per_step": counter.bytes[k] / per_step}
+            for k in sorted(counter.calls)
+        },
+        "param_bytes_per_rank": [g[0] for g in gathered],
+        "optimizer_state_bytes_per_rank": [g[1] for g in gathered],
+        "losses": losses,
+    }
+    os.makedirs(cfg.out, exist_ok=True)
+    with open(os.path.join(cfg.out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    title = f"{cfg.preset} / {cfg.optimizer} / fsdp {fsdp} / {world_size} ranks"
+    write_loss_png(os.path.join(cfg.out, "loss.png"), losses, val_loss, title)
+    return summary
+
+
+def _rank_entry(rank: int, world_size: int, cfg: TrainConfig) -> dict | None:
+    return train_rank(rank, world_size, cfg, "cpu")
+
+
+def run(cfg: TrainConfig) -> dict:
+    """Launch training (torchrun ranks, forked gloo ranks, or one plain process) and return rank 0's summary."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return _run_torchrun(cfg)
+    world_size = 1 if cfg.fsdp == "none" and cfg.world_size == 1 else cfg.world_size
+    cfg.validate(world_size)
+    load_corpus()  # read once here; forked ranks inherit it
+    if cfg.fsdp == "none":
+        return train_rank(0, 1, cfg, "cpu")
+    from ragged_optim.comm.launch import run_on_ranks
+
+    return run_on_ranks(_rank_entry, world_size, cfg, timeout_s=cfg.timeout_s)[0]
+
+
+def _run_torchrun(cfg: TrainConfig) -> dict | None:
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if torch.cuda.is_available():
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        device, backend = torch.device("cuda", local_rank), "nccl"
+        torch.cuda.set_device(device)
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    owns_group = not dist.is_initialized()
+    if owns_group:
+        kwargs = {"device_id": device} if backend == "nccl" else {}
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.timeout_s), **kwargs)
+    try:
+        return train_rank(rank, world_size, cfg, device)
+    finally:
+        if owns_group:
+            dist.destroy_process_group()
+
+
+def format_summary(s: dict) -> str:
+    def mib(b: float) -> str:
+        return f"{b / 2**20:.2f} MiB"
+
+    lines = [
+        f"trained {s['preset']} ({s['n_params']:,} params) with {s['optimizer']}, fsdp {s['fsdp']}, "
+        f"{s['world_size']} rank(s), steps {s['start_step']}..{s['steps']}",
+        f"  train loss {s['initial_train_loss']:.4f} -> {s['final_train_loss']:.4f} "
+        f"(last-10 mean {s['final_train_loss_avg10']:.4f}), val loss {s['val_loss']:.4f}",
+        f"  {s['tokens_per_s']:,.0f} tokens/s over {s['train_time_s']:.1f} s",
+        f"  per step per rank: {s['collectives_per_step']:.1f} collectives, {mib(s['comm_bytes_per_step'])}",
+        f"  per rank: params {', '.join(mib(b) for b in s['param_bytes_per_rank'])}; "
+        f"optimizer state {', '.join(mib(b) for b in s['optimizer_state_bytes_per_rank'])}",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,57 @@
+"""The one place that maps an optimizer name to a constructor for the training job."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from ragged_optim.optim import AdamW8bit, Muon, Shampoo, muon_param_groups
+
+# The optimizer `ragged-optim train` uses when --optimizer is not given.
+DEFAULT_OPTIMIZER = "muon"
+
+
+def _adamw(model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    # foreach=False: the same per-param arithmetic on DTensor shards and on plain tensors.
+    return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0, foreach=False)
+
+
+def _muon(model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    # Hidden matrices get Muon at ``lr``; embeddings, head and 1-D params get AdamW at AdamW's default lr.
+    # Newton-Schulz in bf16 on GPUs (torch.optim.Muon's choice); in fp32 on CPUs, where bf16 matmuls are emulated
+    # and ~50x slower here.
+    groups = muon_param_groups(model)
+    ns_dtype = torch.bfloat16 if next(model.parameters()).is_cuda else torch.float32
+    return Muon(groups, lr=lr, ns_dtype=ns_dtype, adamw_lr=OPTIMIZERS["adamw"].default_lr, adamw_betas=(0.9, 0.95))
+
+
+def _shampoo(model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    return Shampoo(model.parameters(), lr=lr)
+
+
+def _adamw8bit(model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    return AdamW8bit(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+
+
+@dataclass(frozen=True)
+class OptimizerEntry:
+    build: Callable[[nn.Module, float], torch.optim.Optimizer]
+    default_lr: float
+
+
+OPTIMIZERS: dict[str, OptimizerEntry] = {
+    "adamw": OptimizerEntry(_adamw, 4e-3),
+    "muon": OptimizerEntry(_muon, 0.02),
+    "shampoo": OptimizerEntry(_shampoo, 3e-3),
+    "adamw8bit": OptimizerEntry(_adamw8bit, 3e-3),
+}
+
+
+def make_optimizer(name: str, model: nn.Module, lr: float | None = None) -> torch.optim.Optimizer:
+    if name not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {name!r}; choose one of {sorted(OPTIMIZERS)}")
+    entry = OPTIMIZERS[name]
+    return entry.build(model, entry.default_lr if lr is None else lr)
