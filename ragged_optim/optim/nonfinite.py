@@ -183,6 +183,8 @@ def nonfinite_params(opt, entries=None, group=None) -> list[int]:
     flags = torch.zeros(len(entries), dtype=torch.float32)
     for k, (_, _, p) in enumerate(entries):
         g = local(p.grad)
+        if g is not None and g.is_sparse:  # the optimizer itself rejects sparse grads with a clear message
+            g = g.coalesce().values()
         if g is not None and g.numel() and not bool(torch.isfinite(g).all()):
             flags[k] = 1.0
     if group is not None and dist.get_world_size(group) > 1:

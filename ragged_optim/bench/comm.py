@@ -1,0 +1,72 @@
+"""`bench comm`: quantized communication against full precision, in the same run on the same model and data.
+
+Three configs train the small GPT with AdamW on our ``fully_shard``: fp32 collectives; bf16 (params all-gathered
+and grads reduced in bf16, fp32 master params); int8 (block-wise int8 parameter all-gather and the qgZ int8
+gradient all-to-all with an fp32 sum). Bytes are this rank's collective message sizes per training step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ragged_optim.bench.training import final_loss, train_config
+from ragged_optim.comm.launch import run_on_ranks
+from ragged_optim.models import get_config
+
+DESCRIPTION = "int8 / bf16 collectives vs fp32 on the small GPT: bytes, step time, loss"
+
+
+def _policies():
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from ragged_optim.sharding import CommPolicy
+
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    return {
+        "fp32": {},
+        "bf16": {"mp_policy": bf16},
+        "int8": {"comm_policy": CommPolicy(param_all_gather="int8", grad_reduce="int8", block_size=128)},
+    }
+
+
+def _rank(rank, world_size, cfg, steps, batch_size, lr):
+    from ragged_optim.sharding import fully_shard
+
+    out = {}
+    for name, kw in _policies().items():
+
+        def shard(model, kw=kw):
+            for block in model.layers:
+                fully_shard(block, **kw)
+            fully_shard(model, **kw)
+
+        res = train_config(rank, world_size, cfg, steps, batch_size, lr, shard)
+        res.pop("params")
+        out[name] = res
+    return out
+
+
+def run(world_size: int = 4, steps: int | None = None, *, preset: str = "small", batch_size: int = 24, lr=3e-3):
+    """``steps`` (default 60) AdamW steps per config on ``world_size`` gloo ranks."""
+    steps = 60 if steps is None else steps
+    cfg = get_config(preset)
+    r = run_on_ranks(_rank, world_size, cfg, steps, batch_size, lr, timeout_s=1800)[0]
+    fp32, bf16, int8 = r["fp32"], r["bf16"], r["int8"]
+    return {
+        "world_size": world_size,
+        "preset": preset,
+        "steps": steps,
+        "fp32_bytes_per_step": fp32["bytes_per_step"],
+        "bf16_bytes_per_step": bf16["bytes_per_step"],
+        "int8_bytes_per_step": int8["bytes_per_step"],
+        "bytes_ratio_int8_vs_fp32": int8["bytes_per_step"] / fp32["bytes_per_step"],
+        "bytes_ratio_bf16_vs_fp32": bf16["bytes_per_step"] / fp32["bytes_per_step"],
+        "step_time_ratio_int8_vs_fp32": int8["step_s"] / fp32["step_s"],
+        "step_time_ratio_bf16_vs_fp32": bf16["step_s"] / fp32["step_s"],
+        "fp32_final_loss": final_loss(fp32["losses"]),
+        "int8_final_loss": final_loss(int8["losses"]),
+        "loss_ratio_int8_vs_fp32": final_loss(int8["losses"]) / final_loss(fp32["losses"]),
+        "loss_ratio_bf16_vs_fp32": final_loss(bf16["losses"]) / final_loss(fp32["losses"]),
+        "int8_comm_bytes_per_step": int8["comm"],
+        "fp32_comm_bytes_per_step": fp32["comm"],
+    }
