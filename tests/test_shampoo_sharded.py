@@ -86,7 +86,14 @@ def _check_run(shapes, world_size, seed, B, kw):
     params = results[0][0]
     assert max_rel(params, ref) <= 1e-5
     for _, calls, _, _ in results:
-        assert all(set(c) <= {"all_to_all", "all_gather"} and c.get("all_to_all", 0) <= 2 for c in calls)
+        # split bands: one all_to_all each way; the non-finite guard: one all_reduce of flags (and, at the first
+        # step, one all_gather that checks the ranks agree on the params)
+        assert all(
+            set(c) <= {"all_to_all", "all_gather", "all_reduce"}
+            and c.get("all_to_all", 0) <= 2
+            and c.get("all_reduce", 0) <= 1
+            for c in calls
+        )
     # Every band of every matrix has its state on exactly one rank.
     owners = [b for r in results for b in r[2]]
     assert len(owners) == len(set(owners))
