@@ -10,6 +10,10 @@ from dataclasses import dataclass
 import torch
 
 from ragged_optim.comm.collectives import all_to_all_flat
+from ragged_optim.comm.quantized import pack, packed_nbytes, unpack
+
+#: Elements per scale when pieces travel block-quantized.
+WIRE_BLOCK = 128
 
 
 @dataclass(frozen=True)
@@ -50,24 +54,44 @@ class OwnerExchange:
                 return lo, hi
         return None
 
-    def gather(self, local: list[torch.Tensor | None], wire_dtype: torch.dtype | None = None) -> dict:
+    def _move(self, parts: list[torch.Tensor], send_lists, recv_lists, wire, dtype, device) -> list[torch.Tensor]:
+        """One all_to_all: ``parts`` go out in ``send_lists`` order; returns the pieces received, in
+        ``recv_lists`` order, as ``dtype``. ``wire``: a dtype, or ``"int8"`` / ``"fp8_e4m3"`` (block-quantized)."""
+        sizes = lambda lists, f: [sum(f(hi - lo) for _, lo, hi in lst) for lst in lists]
+        if isinstance(wire, str):
+            nbytes = lambda n: packed_nbytes(n, WIRE_BLOCK)
+            encoded = [pack(p.contiguous(), WIRE_BLOCK, wire) for p in parts]
+            send = torch.cat(encoded) if encoded else torch.empty(0, dtype=torch.uint8, device=device)
+            recv_sizes = sizes(recv_lists, nbytes)
+            recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=device)
+            all_to_all_flat(recv, send, recv_sizes, sizes(send_lists, nbytes), group=self.group)
+            pieces, pos = [], 0
+            for lst in recv_lists:
+                for _, lo, hi in lst:
+                    n = hi - lo
+                    out = torch.empty(n, dtype=dtype, device=device)
+                    pieces.append(unpack(recv[pos : pos + nbytes(n)], n, WIRE_BLOCK, wire, out))
+                    pos += nbytes(n)
+            return pieces
+        send = torch.cat(parts).to(wire) if parts else torch.empty(0, dtype=wire, device=device)
+        recv_sizes = sizes(recv_lists, lambda n: n)
+        recv = torch.empty(sum(recv_sizes), dtype=wire, device=device)
+        all_to_all_flat(recv, send, recv_sizes, sizes(send_lists, lambda n: n), group=self.group)
+        return list(torch.split(recv.to(dtype), [hi - lo for lst in recv_lists for _, lo, hi in lst]))
+
+    def gather(self, local: list[torch.Tensor | None], wire=None) -> dict:
         """``local[i]``: this rank's piece of route i (1-D, its pieces' length; None if it holds none).
-        Returns ``{route index: full 1-D block}`` for the routes this rank owns."""
+        Returns ``{route index: full 1-D block}`` for the routes this rank owns. ``wire``: the dtype on the wire
+        (default: the pieces'), or ``"int8"`` / ``"fp8_e4m3"`` for block-quantized pieces."""
         dtype = next((t.dtype for t in local if t is not None), torch.float32)
         device = next((t.device for t in local if t is not None), torch.device("cpu"))
-        wire = wire_dtype or dtype
-        recv = None
+        full = {ri: torch.empty(self.routes[ri].numel, dtype=dtype, device=device) for ri in self.owned}
         if self.needs_wire:
             parts = [local[ri] for s in self.send for ri, _, _ in s]  # a rank holds one piece of a block
-            send = torch.cat(parts).to(wire) if parts else torch.empty(0, dtype=wire, device=device)
-            recv = torch.empty(sum(self.recv_splits), dtype=wire, device=device)
-            all_to_all_flat(recv, send, self.recv_splits, self.send_splits, group=self.group)
-        full = {ri: torch.empty(self.routes[ri].numel, dtype=dtype, device=device) for ri in self.owned}
-        pos = 0
-        for src in range(self.world_size):
-            for ri, lo, hi in self.recv[src]:
-                full[ri][lo:hi] = recv[pos : pos + hi - lo]
-                pos += hi - lo
+            pieces = iter(self._move(parts, self.send, self.recv, wire or dtype, dtype, device))
+            for lst in self.recv:
+                for ri, lo, hi in lst:
+                    full[ri][lo:hi] = next(pieces)
         for ri in self.owned:
             mine = self._local_piece(self.routes[ri])
             if mine is not None:
@@ -75,23 +99,18 @@ class OwnerExchange:
                 full[ri][lo:hi] = local[ri].to(dtype)
         return full
 
-    def scatter(self, results: dict, wire_dtype: torch.dtype | None = None) -> dict:
+    def scatter(self, results: dict, wire=None) -> dict:
         """``results``: ``{route index: full 1-D block}`` for the routes this rank owns. Returns
         ``{route index: this rank's piece}`` for every route this rank holds a piece of."""
-        dtype = next((t.dtype for t in results.values()), None)
+        dtype = next((t.dtype for t in results.values()), torch.float32)
         device = next((t.device for t in results.values()), torch.device("cpu"))
         out = {}
         if self.needs_wire:
-            wire = wire_dtype or dtype or torch.float32
             parts = [results[ri][lo:hi] for s in self.recv for ri, lo, hi in s]
-            send = torch.cat(parts).to(wire) if parts else torch.empty(0, dtype=wire, device=device)
-            back = torch.empty(sum(self.send_splits), dtype=wire, device=device)
-            all_to_all_flat(back, send, self.send_splits, self.recv_splits, group=self.group)
-            pos = 0
-            for dst in range(self.world_size):
-                for ri, lo, hi in self.send[dst]:
-                    out[ri] = back[pos : pos + hi - lo]
-                    pos += hi - lo
+            pieces = iter(self._move(parts, self.recv, self.send, wire or dtype, dtype, device))
+            for lst in self.send:
+                for ri, _, _ in lst:
+                    out[ri] = next(pieces)
         for ri in self.owned:
             mine = self._local_piece(self.routes[ri])
             if mine is not None:

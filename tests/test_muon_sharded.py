@@ -8,6 +8,7 @@ from torch import nn
 from ragged_optim.comm.counter import count_collectives
 from ragged_optim.comm.launch import run_on_ranks
 from ragged_optim.optim import Muon
+from ragged_optim.optim.nonfinite import set_nonfinite_policy
 from ragged_optim.sharding import full_tensor, fully_shard
 
 STEPS = 3
@@ -114,6 +115,8 @@ def _two_whole_matrices(rank, world_size):
     opt = Muon(model.parameters())
     for p in model.parameters():
         p.grad = torch.ones_like(p)
+    opt.step()  # the first step also checks that the ranks agree on the param set (one all_gather)
+    set_nonfinite_policy(opt, "off")  # the per-step NaN/Inf agreement is one 1-element all_reduce
     with count_collectives() as stats:
         opt.step()
     return stats.total_calls, [len(p) for p in model.parameters()]
@@ -123,3 +126,32 @@ def test_matrices_whole_on_their_ranks_move_nothing():
     # Two 8x8 matrices over 2 ranks: each rank holds one whole and owns it, so the step communicates nothing.
     calls, local_sizes = run_on_ranks(_two_whole_matrices, 2)[0]
     assert sorted(local_sizes) == [0, 64] and calls == 0
+
+
+def _wire(rank, world_size, wire):
+    from ragged_optim.sharding import shard_info
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(40, 24, bias=False), nn.Linear(24, 40, bias=False))
+    fully_shard(model)
+    opt = Muon(model.parameters(), ns_dtype=torch.float32, wire_dtype=wire)
+    start = [full_tensor(p) for p in model.parameters()]
+    g = torch.Generator().manual_seed(1)
+    for p in model.parameters():
+        lo, hi = shard_info(p).local_range
+        p.grad = torch.randn(*shard_info(p).shape, generator=g).reshape(-1)[lo:hi].clone()
+    set_nonfinite_policy(opt, "off")
+    with count_collectives() as stats:
+        opt.step()
+    return start, [full_tensor(p) for p in model.parameters()], stats.bytes.get("all_to_all", 0)
+
+
+def test_muon_wire_dtypes_cut_bytes_within_their_error():
+    start, exact, fp32_bytes = run_on_ranks(_wire, 3, None)[0]
+    _, bf16, bf16_bytes = run_on_ranks(_wire, 3, torch.bfloat16)[0]
+    _, int8, int8_bytes = run_on_ranks(_wire, 3, "int8")[0]
+    assert bf16_bytes * 2 == fp32_bytes and int8_bytes < 0.27 * fp32_bytes
+    moved = max((e - s).abs().max().item() for e, s in zip(exact, start))  # one step's displacement
+    for approx, tol in ((bf16, 0.02), (int8, 0.05)):  # the wire error is a small part of the step
+        err = max((a - e).abs().max().item() for a, e in zip(approx, exact))
+        assert 0 < err < tol * moved, (err, moved)

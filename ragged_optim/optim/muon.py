@@ -135,6 +135,10 @@ class Muon(RaggedOptimizer):
             torch's ``adjust_lr_fn``; ``None`` means ``"original"``.
         ns_dtype: Newton-Schulz compute dtype, ``torch.bfloat16`` (torch.optim.Muon's) or ``torch.float32``.
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: defaults for AdamW params.
+        wire_dtype: how sharded momentum travels to a matrix's owner and the orthogonalized update back. None
+            (default): ``ns_dtype``, which changes no bit of the result (Newton-Schulz starts by casting to it);
+            a dtype (e.g. ``torch.bfloat16`` with fp32 NS); ``"int8"`` or ``"fp8_e4m3"``: block-quantized, one
+            fp32 scale per 128 elements (about a quarter of fp32's bytes; approximate).
 
     Group keys. In a group with ``use_muon=False`` the keys ``lr``, ``betas``, ``eps``, ``weight_decay`` are the
     AdamW values (falling back to the group's ``adamw_*`` keys, then to the constructor's ``adamw_*``). In a group
@@ -170,6 +174,7 @@ class Muon(RaggedOptimizer):
         adamw_betas: tuple[float, float] = (0.9, 0.95),
         adamw_eps: float = 1e-10,
         adamw_weight_decay: float = 0.0,
+        wire_dtype: torch.dtype | str | None = None,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -186,6 +191,9 @@ class Muon(RaggedOptimizer):
             adamw_eps=adamw_eps,
             adamw_weight_decay=adamw_weight_decay,
         )
+        if not (wire_dtype is None or isinstance(wire_dtype, torch.dtype) or wire_dtype in ("int8", "fp8_e4m3")):
+            raise ValueError(f"wire_dtype must be None, a torch.dtype, 'int8' or 'fp8_e4m3', got {wire_dtype!r}")
+        self.wire_dtype = wire_dtype
         super().__init__(params, defaults)
         # Ragged-sharded Muon params: ask their units to re-plan so each matrix has one owner (a collective).
         request_block_specs(
@@ -431,9 +439,10 @@ class Muon(RaggedOptimizer):
             cache[key] = BlockPlan(params, spec_of, self._matrix_shape, pg)
         return cache[key]
 
-    @staticmethod
-    def _wire_dtype(groups: list[dict]) -> torch.dtype | None:
+    def _wire_dtype(self, groups: list[dict]) -> torch.dtype | str | None:
         """Newton-Schulz starts by casting to ns_dtype, so sending in ns_dtype changes no bit of the result."""
+        if self.wire_dtype is not None:
+            return self.wire_dtype
         dtypes = {g["ns_dtype"] for g in groups}
         return dtypes.pop() if len(dtypes) == 1 else None
 
