@@ -29,10 +29,39 @@ def _policies():
     }
 
 
+def _grad_reduce_error(rank, world_size, cfg, batch_size) -> float:
+    """Relative L2 error of the int8 (qgZ) gradient reduce-scatter against the fp32 one, on real gradients: one
+    backward with sync off leaves each unit's flat grads in place; both reductions run on the same buffers."""
+    import torch.distributed as dist
+
+    from ragged_optim.comm.collectives import reduce_scatter_flat
+    from ragged_optim.comm.quantized import quantized_reduce_scatter
+    from ragged_optim.data import get_batch
+    from ragged_optim.models import build_model
+    from ragged_optim.sharding import fully_shard, units_of
+
+    model = build_model(cfg, seed=0)
+    for block in model.layers:
+        fully_shard(block)
+    fully_shard(model)
+    model.set_requires_gradient_sync(False)
+    x, y = get_batch("train", batch_size, cfg.seq_len, 0, rank, world_size, 0)
+    model(x, y).backward()
+    sq = torch.zeros(2, dtype=torch.float64)  # [sum (int8 - fp32)^2, sum fp32^2]
+    for unit in units_of(model):
+        full, n = unit.grad_buf, unit.layout.shard_size
+        exact, approx = torch.empty(n), torch.empty(n)
+        reduce_scatter_flat(exact, full.clone(), group=unit.group)
+        quantized_reduce_scatter(approx, full, "int8", 128, group=unit.group)
+        sq += torch.stack([(approx - exact).double().square().sum(), exact.double().square().sum()])
+    dist.all_reduce(sq)
+    return float((sq[0] / sq[1]).sqrt())
+
+
 def _rank(rank, world_size, cfg, steps, batch_size, lr):
     from ragged_optim.sharding import fully_shard
 
-    out = {}
+    out = {"int8_grad_reduce_rel_error": _grad_reduce_error(rank, world_size, cfg, batch_size)}
     for name, kw in _policies().items():
 
         def shard(model, kw=kw):
@@ -67,6 +96,7 @@ def run(world_size: int = 4, steps: int | None = None, *, preset: str = "small",
         "int8_final_loss": final_loss(int8["losses"]),
         "loss_ratio_int8_vs_fp32": final_loss(int8["losses"]) / final_loss(fp32["losses"]),
         "loss_ratio_bf16_vs_fp32": final_loss(bf16["losses"]) / final_loss(fp32["losses"]),
+        "int8_grad_reduce_rel_error": r["int8_grad_reduce_rel_error"],
         "int8_comm_bytes_per_step": int8["comm"],
         "fp32_comm_bytes_per_step": fp32["comm"],
     }
