@@ -12,6 +12,7 @@ import torch
 from ragged_optim.bench.training import final_loss, train_config
 from ragged_optim.comm.launch import run_on_ranks
 from ragged_optim.models import get_config
+from ragged_optim.train import shard_model
 
 DESCRIPTION = "int8 / bf16 collectives vs fp32 on the small GPT: bytes, step time, loss"
 
@@ -38,12 +39,10 @@ def _grad_reduce_error(rank, world_size, cfg, batch_size) -> float:
     from ragged_optim.comm.quantized import quantized_reduce_scatter
     from ragged_optim.data import get_batch
     from ragged_optim.models import build_model
-    from ragged_optim.sharding import fully_shard, units_of
+    from ragged_optim.sharding import units_of
 
     model = build_model(cfg, seed=0)
-    for block in model.layers:
-        fully_shard(block)
-    fully_shard(model)
+    shard_model(model, "ours")
     model.set_requires_gradient_sync(False)
     x, y = get_batch("train", batch_size, cfg.seq_len, 0, rank, world_size, 0)
     model(x, y).backward()
@@ -59,17 +58,10 @@ def _grad_reduce_error(rank, world_size, cfg, batch_size) -> float:
 
 
 def _rank(rank, world_size, cfg, steps, batch_size, lr):
-    from ragged_optim.sharding import fully_shard
 
     out = {"int8_grad_reduce_rel_error": _grad_reduce_error(rank, world_size, cfg, batch_size)}
     for name, kw in _policies().items():
-
-        def shard(model, kw=kw):
-            for block in model.layers:
-                fully_shard(block, **kw)
-            fully_shard(model, **kw)
-
-        res = train_config(rank, world_size, cfg, steps, batch_size, lr, shard)
+        res = train_config(rank, world_size, cfg, steps, batch_size, lr, lambda m, kw=kw: shard_model(m, "ours", **kw))
         res.pop("params")
         out[name] = res
     return out

@@ -17,6 +17,7 @@ from ragged_optim.comm.counter import count_collectives
 from ragged_optim.comm.launch import run_on_ranks
 from ragged_optim.data import get_batch
 from ragged_optim.models import build_model, get_config, num_params
+from ragged_optim.train import shard_model
 
 DESCRIPTION = "GPT (bench20m) + AdamW step: ours vs torch FSDP2 (time, collectives, bytes, parity)"
 
@@ -27,36 +28,26 @@ def _train_step(model, opt, x, y):
     opt.zero_grad(set_to_none=True)
 
 
-def _shard_ours(model):
-    from ragged_optim.sharding import fully_shard
-
-    for block in model.layers:
-        fully_shard(block)
-    fully_shard(model)
-    return model
-
-
-def _shard_fsdp2(model, world_size):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh("cpu", (world_size,))
-    for block in model.layers:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
-
-
 def _adamw(model, lr):
     return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+
+
+def _sharded(model):
+    shard_model(model, "ours")
+    return model
+
+
+def _sharded_fsdp2(model, world_size):
+    shard_model(model, "torch")  # torch's default mesh: the world
+    return model
 
 
 def _rank(rank, world_size, cfg, batch_size, steps, lr, compare_single):
     from ragged_optim.sharding import full_tensor
 
     batches = [get_batch("train", batch_size, cfg.seq_len, s, rank, world_size) for s in range(steps + 2)]
-    ours = _shard_ours(build_model(cfg, seed=0))
-    fsdp2 = _shard_fsdp2(build_model(cfg, seed=0), world_size)
+    ours = _sharded(build_model(cfg, seed=0))
+    fsdp2 = _sharded_fsdp2(build_model(cfg, seed=0), world_size)
     sides = {"ours": (ours, _adamw(ours, lr)), "fsdp2": (fsdp2, _adamw(fsdp2, lr))}
     times = {"ours": [], "fsdp2": []}
     counts = {}

@@ -14,6 +14,7 @@ from ragged_optim.bench.training import train_config
 from ragged_optim.comm.launch import run_on_ranks
 from ragged_optim.data import get_batch
 from ragged_optim.models import build_model, get_config
+from ragged_optim.train import shard_model
 
 DESCRIPTION = "HSDP (replicate x shard) vs FSDP: bytes, step time, parity; wire-byte model up to W=8192"
 
@@ -42,15 +43,13 @@ def comm_model(model_bytes: float, world_size: int, shard_size: int) -> dict:
 def _rank(rank, world_size, cfg, steps, batch_size, lr, shard_size):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from ragged_optim.sharding import fully_shard, units_of
+    from ragged_optim.sharding import units_of
 
     mesh = init_device_mesh("cpu", (world_size // shard_size, shard_size), mesh_dim_names=("replicate", "shard"))
     predicted = {}
 
     def shard(model, mesh=None, key="fsdp"):
-        for block in model.layers:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        shard_model(model, "ours", mesh=mesh)
         units = units_of(model)
         # message sizes: each unit's W*S buffer all-gathered for forward and again for backward (not the root: it
         # stays unsharded in between) and reduce-scattered once; HSDP adds an all-reduce of S across replicas

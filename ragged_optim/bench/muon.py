@@ -21,6 +21,7 @@ from torch import nn
 
 from ragged_optim.bench.common import median, timed
 from ragged_optim.comm.counter import count_collectives
+from ragged_optim.train import shard_model
 
 DESCRIPTION = "Muon optimizer step on 10 mixed-shape matrices: ours vs torch.optim.Muon on FSDP2 DTensors"
 
@@ -103,26 +104,6 @@ class _GatherFullMuon:
             p.grad = None
 
 
-def _shard_ours(model):
-    from ragged_optim.sharding import fully_shard
-
-    for layer in model.layers:
-        fully_shard(layer)
-    fully_shard(model)
-    return model
-
-
-def _shard_fsdp2(model, world_size):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh("cpu", (world_size,))
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
-
-
 def _rel_diff(a: dict, b: dict, p0: dict) -> float:
     """max |a - b| over max |b - p0|, over all params: the difference relative to the size of the update."""
     num = max((a[n] - b[n]).abs().max().item() for n in b)
@@ -141,15 +122,25 @@ def _single(dims, batch_size, world_size, steps, ns_dtype):
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+def _sharded(model):
+    shard_model(model, "ours")
+    return model
+
+
+def _sharded_fsdp2(model, world_size):
+    shard_model(model, "torch")  # torch's default mesh: the world
+    return model
+
+
 def _rank(rank, world_size, dims, batch_size, steps, ns_dtype, compare_single):
     import numpy as np
 
     from ragged_optim.sharding import full_tensor, units_of
     from ragged_optim.sharding.planner import owner_compute_loads
 
-    ours = _shard_ours(MatrixChain(dims))
+    ours = _sharded(MatrixChain(dims))
     ours_opt = _ours_opt(ours, ns_dtype)
-    fsdp2 = _shard_fsdp2(MatrixChain(dims), world_size)
+    fsdp2 = _sharded_fsdp2(MatrixChain(dims), world_size)
     torch_opt, torch_status = _torch_opt(fsdp2), "ok"
     sides = {"ours": (ours, ours_opt), "torch": (fsdp2, torch_opt)}
     times = {"ours": [], "torch": []}
@@ -200,7 +191,7 @@ def _rank(rank, world_size, dims, batch_size, steps, ns_dtype, compare_single):
     full_ours = {n: full_tensor(p).clone() for n, p in ours.named_parameters()}
     full_torch = {n: p.full_tensor().clone() for n, p in fsdp2.named_parameters()}
     # The parity run in fp32 Newton-Schulz (no bf16 rounding differences can hide there): ours only, untimed.
-    fp32 = _shard_ours(MatrixChain(dims))
+    fp32 = _sharded(MatrixChain(dims))
     fp32_opt = _ours_opt(fp32, torch.float32)
     for s in range(steps + 1):
         _loss(fp32, *_batch(s, batch_size, dims, rank, world_size)).backward()

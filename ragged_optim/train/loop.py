@@ -31,8 +31,9 @@ from ragged_optim.train.optimizers import OPTIMIZERS, make_optimizer
 from ragged_optim.train.progress import Progress
 
 
-def shard_model(model: GPT, kind: str) -> str:
-    """FSDP per block, then the root: ours (RaggedShard), torch's FSDP2, or none. Returns ``kind``."""
+def shard_model(model: GPT, kind: str, **kwargs) -> str:
+    """FSDP per block of ``model.layers``, then the root: ``"ours"`` (RaggedShard), ``"torch"`` (FSDP2) or
+    ``"none"``; ``kwargs`` go to every ``fully_shard`` call (mesh, policies). Returns ``kind``."""
     if kind == "none":
         return kind
     if kind == "ours":
@@ -40,8 +41,8 @@ def shard_model(model: GPT, kind: str) -> str:
     else:
         from torch.distributed.fsdp import fully_shard
     for block in model.layers:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
     return kind
 
 
