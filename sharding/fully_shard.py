@@ -171,7 +171,6 @@ def fully_shard(
         specs = {i: s for i, (n, p) in enumerate(zip(names, params)) if (s := block_policy(n, p)) is not None}
         unit.relayout(specs)
     unit.reshard_after_forward = reshard_after_forward
-    unit.is_root = False
     _reset_iteration_flags(unit)
     unit.on_all_grads_ready = _post_backward
     setattr(module, _UNIT_ATTR, unit)
@@ -196,8 +195,8 @@ def _reset_iteration_flags(unit: FlatUnit):
 def _pre_forward(module, args):
     unit: FlatUnit = getattr(module, _UNIT_ATTR)
     tr = _TRACKER
-    if tr.depth == 0:  # the outermost unit of this forward: a new iteration starts
-        unit.is_root = True
+    unit.is_root = tr.depth == 0
+    if unit.is_root:  # the outermost unit of this forward: a new iteration starts
         for u in tr.units:
             u.stale = True
         tr.recording = not tr.pre_forward_order
