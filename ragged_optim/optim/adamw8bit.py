@@ -39,7 +39,7 @@ from ragged_optim.kernels import (
     quantize_blockwise,
 )
 from ragged_optim.kernels.adamw8bit_ref import ieee_sqrt_
-from ragged_optim.optim.base import full_shape, is_dtensor, local, request_block_specs
+from ragged_optim.optim.base import full_shape, is_dtensor, local, request_block_specs, scalar
 from ragged_optim.optim.muon import adamw_update_
 from ragged_optim.optim.optimizer import RaggedOptimizer
 from ragged_optim.sharding import BlockSpec, shard_info
@@ -50,10 +50,6 @@ __all__ = ["AdamW8bit", "DEFAULT_QMAPS", "STATE_KEYS_8BIT"]
 DEFAULT_QMAPS = ("dynamic", "dynamic_unsigned")
 #: State entries of an 8-bit param, besides ``step``.
 STATE_KEYS_8BIT = ("exp_avg_codes", "exp_avg_scales", "exp_avg_sq_codes", "exp_avg_sq_scales")
-
-
-def _scalar(x: Any) -> float:
-    return x.item() if isinstance(x, Tensor) else x
 
 
 class AdamW8bit(RaggedOptimizer):
@@ -128,7 +124,7 @@ class AdamW8bit(RaggedOptimizer):
 
     @staticmethod
     def _validate_group(g: dict[str, Any]) -> None:
-        lr = _scalar(g["lr"])
+        lr = scalar(g["lr"])
         if not lr >= 0.0:
             raise ValueError(f"lr must be >= 0, got {lr}")
         if not g["eps"] >= 0.0:
@@ -345,7 +341,7 @@ class AdamW8bit(RaggedOptimizer):
         if not gv.is_contiguous():
             gv = gv.contiguous()
         b1, b2 = group["betas"]
-        kw = dict(step=step, lr=_scalar(group["lr"]), eps=group["eps"], weight_decay=group["weight_decay"])
+        kw = dict(step=step, lr=scalar(group["lr"]), eps=group["eps"], weight_decay=group["weight_decay"])
         s = state
         if group["qmaps"] == DEFAULT_QMAPS:
             adamw8bit_step(
@@ -384,7 +380,7 @@ class AdamW8bit(RaggedOptimizer):
                         local(p),
                         local(grad),
                         self.state[p],
-                        lr=_scalar(group["lr"]),
+                        lr=scalar(group["lr"]),
                         beta1=b1,
                         beta2=b2,
                         eps=group["eps"],

@@ -26,6 +26,11 @@ from ragged_optim.sharding.owner_routes import (
 from ragged_optim.sharding.planner import assign_owners_jointly
 
 
+def scalar(x) -> float:
+    """A hyperparameter that may be a tensor (a tensor lr, as torch.optim allows) as a Python number."""
+    return x.item() if isinstance(x, torch.Tensor) else x
+
+
 def is_dtensor(t: torch.Tensor) -> bool:
     return hasattr(t, "to_local") and hasattr(t, "placements")
 

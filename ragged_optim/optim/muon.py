@@ -37,6 +37,7 @@ from ragged_optim.optim.base import (
     local,
     process_group,
     request_block_specs,
+    scalar,
 )
 from ragged_optim.optim.optimizer import RaggedOptimizer
 from ragged_optim.sharding import BlockSpec
@@ -114,10 +115,6 @@ def adamw_update_(
     step_size = lr / bias_correction1
     denom = (exp_avg_sq.sqrt() / bias_correction2**0.5).add_(eps)
     p.addcdiv_(exp_avg, denom, value=-step_size)
-
-
-def _scalar(x: Any) -> float:
-    return x.item() if isinstance(x, Tensor) else x
 
 
 class Muon(RaggedOptimizer):
@@ -261,7 +258,7 @@ class Muon(RaggedOptimizer):
 
     @staticmethod
     def _validate_group(g: dict[str, Any]) -> None:
-        lr = _scalar(g["lr"])
+        lr = scalar(g["lr"])
         if not lr >= 0.0:
             raise ValueError(f"lr must be >= 0, got {lr}")
         if not g["weight_decay"] >= 0.0:
@@ -284,13 +281,6 @@ class Muon(RaggedOptimizer):
             if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
                 raise ValueError(f"AdamW betas must be in [0, 1), got {g['betas']}")
 
-    def _param_label(self, gi: int, i: int) -> str:
-        group = self.param_groups[gi]
-        p = group["params"][i]
-        name = group.get("param_names", [None] * len(group["params"]))[i]
-        named = f" ({name!r})" if name is not None else ""
-        return f"param_groups[{gi}]['params'][{i}]{named} with shape {tuple(full_shape(p))}"
-
     def _check_params(self, gi: int, group: dict[str, Any], *, explicit: bool) -> None:
         for i, p in enumerate(group["params"]):
             if p.is_complex():
@@ -312,15 +302,6 @@ class Muon(RaggedOptimizer):
                     "params (biases, norm gains, scalars) in a group with use_muon=False (AdamW), or build the "
                     "groups with ragged_optim.optim.muon_param_groups(model)."
                 )
-
-    def _grad_of(self, gi: int, i: int, p: Tensor) -> Tensor | None:
-        grad = p.grad
-        if grad is not None and grad.is_sparse:
-            raise ValueError(
-                f"{self._param_label(gi, i)} has a sparse gradient; Muon and its AdamW path need dense gradients "
-                "(use nn.Embedding(..., sparse=False), or torch.optim.SparseAdam for that param)."
-            )
-        return grad
 
     # ------------------------------------------------------------------ the seam
 
@@ -356,7 +337,7 @@ class Muon(RaggedOptimizer):
         buf.lerp_(grad, 1 - momentum)
         wd = group["weight_decay"]
         if wd != 0:
-            p.mul_(1 - _scalar(group["lr"]) * wd)
+            p.mul_(1 - scalar(group["lr"]) * wd)
         return grad.lerp(buf, momentum) if group["nesterov"] else buf
 
     def _orthogonalize_updates(self, items: list[MuonItem]) -> list[Tensor]:
@@ -464,7 +445,7 @@ class Muon(RaggedOptimizer):
     def _apply_muon_update(self, item: MuonItem, ortho: Tensor) -> None:
         """Phase (c): ``p -= adjusted_lr * ortho`` with the lr adjusted for the param's (full) matrix shape."""
         g = item.group
-        lr = adjust_lr(_scalar(g["lr"]), g["adjust_lr"], self._matrix_shape(item.param))
+        lr = adjust_lr(scalar(g["lr"]), g["adjust_lr"], self._matrix_shape(item.param))
         local(item.param).add_(ortho.view(local(item.param).shape), alpha=-lr)
 
     # ------------------------------------------------------------------ step
@@ -489,7 +470,7 @@ class Muon(RaggedOptimizer):
                         local(p),
                         local(grad),
                         self.state[p],
-                        lr=_scalar(group["lr"]),
+                        lr=scalar(group["lr"]),
                         beta1=beta1,
                         beta2=beta2,
                         eps=group["eps"],

@@ -48,6 +48,7 @@ from ragged_optim.optim.base import (
     local,
     process_group,
     request_block_specs,
+    scalar,
 )
 from ragged_optim.optim.optimizer import RaggedOptimizer
 from ragged_optim.sharding import BlockSpec, shard_info
@@ -69,10 +70,6 @@ def shampoo_band_spec(shape, max_preconditioner_dim: int) -> BlockSpec:
     d0, cols = matrix_view_shape(shape)
     numel = max(1, d0 * cols)
     return BlockSpec(block=max(1, min(max_preconditioner_dim, d0) * cols), period=numel)
-
-
-def _scalar(x: Any) -> float:
-    return x.item() if isinstance(x, Tensor) else float(x)
 
 
 def _tile_groups(cols: int, B: int) -> list[tuple[int, int, int]]:
@@ -272,7 +269,7 @@ class Shampoo(RaggedOptimizer):
 
     @staticmethod
     def _validate_group(g: dict[str, Any]) -> None:
-        if not _scalar(g["lr"]) >= 0.0:
+        if not scalar(g["lr"]) >= 0.0:
             raise ValueError(f"lr must be >= 0, got {g['lr']}")
         g["betas"] = tuple(g["betas"])
         b1, b2 = g["betas"]
@@ -315,13 +312,6 @@ class Shampoo(RaggedOptimizer):
                         "use root_inverse='eigh' for it"
                     )
 
-    def _param_label(self, gi: int, i: int) -> str:
-        group = self.param_groups[gi]
-        p = group["params"][i]
-        names = group.get("param_names")
-        named = f" ({names[i]!r})" if names else ""
-        return f"param_groups[{gi}]['params'][{i}]{named} with shape {tuple(full_shape(p))}"
-
     def _check_params(self, gi: int, group: dict[str, Any]) -> None:
         for i, p in enumerate(group["params"]):
             if is_dtensor(p):
@@ -344,14 +334,9 @@ class Shampoo(RaggedOptimizer):
                 )
 
     def _grad_of(self, gi: int, i: int, p: Tensor) -> Tensor | None:
-        grad = p.grad
+        grad = super()._grad_of(gi, i, p)
         if grad is None:
             return None
-        if grad.is_sparse:
-            raise ValueError(
-                f"{self._param_label(gi, i)} has a sparse gradient; Shampoo needs dense gradients (use "
-                "nn.Embedding(..., sparse=False), or torch.optim.SparseAdam for that param)."
-            )
         if grad.is_complex():
             raise ValueError(f"{self._param_label(gi, i)} has a complex gradient; Shampoo supports real params only")
         return local(grad)
@@ -506,7 +491,7 @@ class Shampoo(RaggedOptimizer):
             m = state["momentum"]
             m.mul_(beta1).add_(u, alpha=1 - beta1)
             u = m / (1 - beta1 ** int(state["step"].item()))
-        lr = _scalar(group["lr"])
+        lr = scalar(group["lr"])
         if group["weight_decay"] != 0:
             lp.mul_(1 - lr * group["weight_decay"])
         lp.add_(u.to(lp.dtype), alpha=-lr)
