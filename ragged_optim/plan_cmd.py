@@ -27,7 +27,14 @@ import numpy as np
 
 from ragged_optim.sharding.catalog import model_names, model_units, units_from_module
 from ragged_optim.sharding.layout import BlockSpec
-from ragged_optim.sharding.planner import TensorSpec, layout_stats, owner_compute_loads, plan_unit, rank_loads
+from ragged_optim.sharding.planner import (
+    TensorSpec,
+    assign_owners_jointly,
+    layout_stats,
+    owner_compute_loads,
+    plan_unit,
+    rank_loads,
+)
 
 OPTIMIZERS = ("muon", "shampoo", "adamw8bit")
 
@@ -91,14 +98,13 @@ def run_plan(args) -> dict:
     loads = np.zeros(W, dtype=np.float64)
     comp = np.zeros(W, dtype=np.float64)
     rows: dict[tuple, dict] = {}
-    running_compute = np.zeros(W, dtype=np.float64)  # owners balanced over all units (one Muon step does them all)
     t_plan = 0.0
+    layouts = []
     for unit in units:
         tensors = [TensorSpec(n, tuple(s), args.itemsize, block_spec(n, s, g, args.optimizer)) for n, s in unit.params]
         t0 = time.perf_counter()
-        layout = plan_unit(
-            tensors, W, alignment=args.alignment, allow_split=not args.no_split, compute_load=running_compute
-        )
+        layout = plan_unit(tensors, W, alignment=args.alignment, allow_split=not args.no_split)
+        layouts.append(layout)
         dt = time.perf_counter() - t0
         t_plan += dt
         st = layout_stats(layout)
@@ -109,7 +115,6 @@ def run_plan(args) -> dict:
         split_elems += st["split_elements"]
         fsdp2_total += f2
         loads += rank_loads(layout)
-        comp += owner_compute_loads(layout)
         key = tuple((s, t.spec) for (_, s), t in zip(unit.params, tensors))
         row = rows.get(key)
         if row is None:
@@ -118,6 +123,11 @@ def run_plan(args) -> dict:
             )
         row["count"] += 1
         row["seconds"] += dt
+    # Owners of all units balanced together, largest matrix first, as the optimizers do (one step computes them all).
+    t0 = time.perf_counter()
+    for layout in assign_owners_jointly(layouts):
+        comp += owner_compute_loads(layout)
+    t_plan += time.perf_counter() - t0
     mean = total / W
     cmean = comp.sum() / W
     summary = {
