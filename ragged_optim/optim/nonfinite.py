@@ -144,9 +144,14 @@ def _describe(opt, entries) -> list[tuple]:
     return [(gi, tuple(full_shape(p)), str(p.dtype)) for gi, _, p in entries]
 
 
+def _device(entries) -> torch.device:
+    """Where this optimizer's collectives run: the params' device (NCCL takes CUDA tensors only)."""
+    return next((local(p).device for _, _, p in entries), torch.device("cpu"))
+
+
 def _check_same_params(opt, entries, group) -> None:
     desc = _describe(opt, entries)
-    h = torch.tensor([zlib.crc32(repr(desc).encode()), len(desc)], dtype=torch.int64)
+    h = torch.tensor([zlib.crc32(repr(desc).encode()), len(desc)], dtype=torch.int64, device=_device(entries))
     world = dist.get_world_size(group)
     out = [torch.zeros_like(h) for _ in range(world)]
     dist.all_gather(out, h, group=group)
@@ -180,16 +185,21 @@ def nonfinite_params(opt, entries=None, group=None) -> list[int]:
     """Indices (into the flat param list) of params whose gradient holds a NaN/Inf on some rank (a collective
     when ``group`` is not None: every rank gets the same list)."""
     entries = _params(opt) if entries is None else entries
-    flags = torch.zeros(len(entries), dtype=torch.float32)
+    device = _device(entries)
+    index, finite = [], []
     for k, (_, _, p) in enumerate(entries):
         g = local(p.grad)
         if g is not None and g.is_sparse:  # the optimizer itself rejects sparse grads with a clear message
             g = g.coalesce().values()
-        if g is not None and g.numel() and not bool(torch.isfinite(g).all()):
-            flags[k] = 1.0
+        if g is not None and g.numel():
+            index.append(k)
+            finite.append(torch.isfinite(g).all())
+    flags = torch.zeros(len(entries), dtype=torch.float32, device=device)
+    if index:  # one device-side gather of the flags: no host sync per param
+        flags[torch.tensor(index, device=device)] = (~torch.stack(finite).to(device)).float()
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-    return [int(k) for k in torch.nonzero(flags).flatten()]
+    return torch.nonzero(flags).flatten().tolist()
 
 
 def guard_step(opt: torch.optim.Optimizer) -> bool:
