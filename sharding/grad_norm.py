@@ -35,9 +35,10 @@ def total_grad_norm(params, norm_type: float = 2.0) -> torch.Tensor:
         raise ValueError(f"clip_grad_norm_: norm_type must be 2.0 or inf, got {norm_type}")
     by_group, replicated = _groups_of(params)
     is_inf = norm_type == float("inf")
-    total = torch.zeros((), dtype=torch.float64)
+    device = _local(params[0]).device if params else torch.device("cpu")  # NCCL reduces device tensors only
+    total = torch.zeros((), dtype=torch.float64, device=device)
     for group in by_group:  # every rank sees its units in the same order, so the all-reduces pair up
-        part = torch.zeros((), dtype=torch.float64)
+        part = torch.zeros((), dtype=torch.float64, device=device)
         for p in by_group[group]:
             if p.grad is not None and _local(p.grad).numel():
                 g = _local(p.grad).detach().double()
