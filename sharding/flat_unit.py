@@ -120,7 +120,6 @@ class FlatUnit:
         return buf[off : off + math.prod(self.layout.shapes[i])].view(self.layout.shapes[i])
 
     def _build_unsharded_params(self):
-        nbytes = self.layout.total_size * self.unsharded.element_size()
         self.unsharded = torch.empty(self.layout.total_size, dtype=self.param_dtype, device=self.device)
         self.unsharded_params = [
             nn.Parameter(self._full_slice(self.unsharded, i), requires_grad=rg)
@@ -129,7 +128,7 @@ class FlatUnit:
         for up in self.unsharded_params:
             if up.requires_grad:
                 up.register_post_accumulate_grad_hook(self._grad_landed)
-        self._storage_nbytes = nbytes
+        self._storage_nbytes = self.unsharded.untyped_storage().nbytes()  # freed until the first unshard
         self.unsharded.untyped_storage().resize_(0)
 
     def relayout(self, specs: dict[int, BlockSpec], *, allow_split: bool | None = None, compute_load=None) -> bool:
