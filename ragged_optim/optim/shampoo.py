@@ -28,6 +28,13 @@ computes the band's update, and the update is scattered back; all split bands of
 in one ``all_to_all`` each way (none when nothing is split). Every band's state lives on exactly one rank and
 every band is computed by exactly the same op sequence as on one process, so results do not depend on the world
 size (tests/test_shampoo_sharded.py).
+
+Placement (torch FSDP2 ``DTensor`` params, ``Shard(0)`` on a 1-D mesh). A rank holds a chunk of whole rows, a ragged
+range of the flattened param that no planner chose: the same bands of B rows are laid over those row-chunk ranges.
+A band wholly inside one rank's chunk is computed there with no communication; a band cut by a chunk boundary is
+owner-computed (owners balanced greedily, preferring the rank holding most of it) through the same exchange as the
+split bands of ragged params: one ``all_to_all`` each way per process group and step for all split bands of both
+kinds. Grafting state of a band lives with the band; momentum and weight decay run on the local shard.
 """
 
 from __future__ import annotations
@@ -37,21 +44,26 @@ import warnings
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
+from ragged_optim.comm.owner_exchange import BlockRoute, OwnerExchange
 from ragged_optim.kernels.matrix_root import RootInverseError, matrix_inverse_root
 from ragged_optim.optim.base import (
     BlockPlan,
     full_shape,
     is_dtensor,
     local,
+    local_ranges,
     process_group,
     request_block_specs,
     scalar,
 )
 from ragged_optim.optim.optimizer import RaggedOptimizer
 from ragged_optim.sharding import BlockSpec, shard_info
+from ragged_optim.sharding.owner_routes import balanced_owners, blocks_over_ranges, ragged_routes
 
 __all__ = ["Shampoo", "GRAFTING_METHODS", "shampoo_band_spec", "matrix_view_shape"]
 
@@ -175,9 +187,49 @@ def _vector_update(g: Tensor, state: dict, t: int, hp: dict) -> Tensor:
     return g * (diag + hp["epsilon"]).pow(-_exponent(hp, 1))
 
 
+class _SplitBandPlan(BlockPlan):
+    """A :class:`BlockPlan` of the split bands only: the planner's split bands of ragged params, and of DTensor
+    params the bands that a row-chunk boundary cuts (bands inside one rank's chunk are computed there and get no
+    route). Owners of DTensor bands are balanced over the group, preferring the rank holding most of the band."""
+
+    def __init__(self, params: list[Tensor], spec_of, group):
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        routes: list[BlockRoute | None] = []
+        self.item_routes = []
+        self.my_range = []
+        pending = []
+        for p in params:
+            ranges = local_ranges(p)
+            self.my_range.append(ranges[rank])
+            entry = []
+            if shard_info(p) is not None:
+                rs, spans = ragged_routes(p)
+                for r, (s, e) in zip(rs, spans):
+                    entry.append((len(routes), s, e))
+                    routes.append(r)
+            else:
+                numel = int(np.prod(full_shape(p)))
+                cols = matrix_view_shape(full_shape(p))[1]
+                for s, e, pieces, holder in blocks_over_ranges(spec_of(p), numel, ranges):
+                    if len(pieces) < 2:
+                        continue  # whole on one rank: computed there
+                    rows = (e - s) // cols
+                    entry.append((len(routes), s, e))
+                    pending.append((len(routes), e - s, pieces, holder, float(e - s) * rows))
+                    routes.append(None)
+            self.item_routes.append(entry)
+        if pending:
+            owners = balanced_owners([c for *_, c in pending], [h for _, _, _, h, _ in pending], world)
+            for (ri, numel, pieces, _, _), owner in zip(pending, owners):
+                routes[ri] = BlockRoute(numel, owner, pieces)
+        self.routes = routes
+        self.exchange = OwnerExchange(routes, rank, world, group)
+
+
 class Shampoo(RaggedOptimizer):
     """Shampoo with blocked Kronecker-factored preconditioners and grafting (the published distributed Shampoo
-    semantics), for plain tensors and ``ragged_optim.fully_shard`` params. See docs/shampoo.md.
+    semantics), for plain tensors, ``ragged_optim.fully_shard`` params and torch FSDP2 ``DTensor`` params
+    (``Shard(0)`` on a 1-D mesh). See docs/shampoo.md.
 
     Args:
         params: tensors or param groups (any key below may be set per group).
@@ -315,11 +367,7 @@ class Shampoo(RaggedOptimizer):
     def _check_params(self, gi: int, group: dict[str, Any]) -> None:
         for i, p in enumerate(group["params"]):
             if is_dtensor(p):
-                raise ValueError(
-                    f"{self._param_label(gi, i)} is a torch DTensor (torch FSDP2); Shampoo supports plain tensors and "
-                    "ragged_optim.fully_shard params. Shard the model with ragged_optim.fully_shard instead of "
-                    "torch.distributed.fsdp.fully_shard."
-                )
+                self._check_dtensor(gi, i, p)
             if p.is_complex():
                 raise ValueError(
                     f"{self._param_label(gi, i)} is complex ({p.dtype}); Shampoo supports real params only: view it "
@@ -332,6 +380,19 @@ class Shampoo(RaggedOptimizer):
                     f"{self._param_label(gi, i)} has no elements; Shampoo has nothing to precondition. Leave it out "
                     "of the optimizer (it has nothing to learn)."
                 )
+
+    def _check_dtensor(self, gi: int, i: int, p: Tensor) -> None:
+        from torch.distributed.tensor import Shard
+
+        placements = tuple(p.placements)
+        mesh = getattr(p, "device_mesh", None)
+        if len(placements) != 1 or not isinstance(placements[0], Shard) or placements[0].dim != 0 or mesh is None:
+            raise ValueError(
+                f"{self._param_label(gi, i)} is a torch DTensor with placements {placements}; Shampoo supports "
+                "DTensor params sharded Shard(0) on a 1-D mesh (torch FSDP2 fully_shard), plain tensors and "
+                "ragged_optim.fully_shard params: redistribute it to Shard(0) or shard the model with "
+                "ragged_optim.fully_shard."
+            )
 
     def _grad_of(self, gi: int, i: int, p: Tensor) -> Tensor | None:
         grad = super()._grad_of(gi, i, p)
@@ -367,7 +428,11 @@ class Shampoo(RaggedOptimizer):
 
     def _local_range(self, p: Tensor) -> tuple[int, int]:
         info = shard_info(p)
-        return info.local_range if info is not None else (0, p.numel())
+        if info is not None:
+            return info.local_range
+        if is_dtensor(p):
+            return local_ranges(p)[dist.get_rank(process_group(p))]
+        return (0, p.numel())
 
     def _local_bands(self, p: Tensor, group: dict) -> list[tuple[int, int, int]]:
         """``(band index, start, end)`` (tensor-local flat) of the bands this rank holds whole."""
@@ -442,12 +507,7 @@ class Shampoo(RaggedOptimizer):
         key = (id(pg), tuple(id(p) for p in params))
         if key not in cache:
             B = {id(p): g["max_preconditioner_dim"] for p, g in zip(params, groups)}
-            cache[key] = BlockPlan(
-                params,
-                lambda p: shampoo_band_spec(full_shape(p), B[id(p)]),
-                lambda p: matrix_view_shape(full_shape(p)),
-                pg,
-            )
+            cache[key] = _SplitBandPlan(params, lambda p: shampoo_band_spec(full_shape(p), B[id(p)]), pg)
         return cache[key]
 
     @torch.no_grad()
