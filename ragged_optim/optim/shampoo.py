@@ -423,7 +423,9 @@ class Shampoo(RaggedOptimizer):
         d0, cols, _ = self._band_geometry(p, group["max_preconditioner_dim"])
         st = self._band(p, k, group, g_flat.device)
         t = int(self.state[p]["step"].item())
-        g = g_flat.to(torch.float32).reshape(-1, cols)
+        # A fresh copy: matmul kernels can round differently for a view at another memory offset, and the inverse
+        # root amplifies that; a band must compute the same bits wherever it sits in a shard.
+        g = g_flat.to(torch.float32, copy=True).reshape(-1, cols)
         return _band_update(g, st, t, group, f"{label} band {k}").reshape(-1)
 
     def _local_range(self, p: Tensor) -> tuple[int, int]:
