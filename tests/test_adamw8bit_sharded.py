@@ -1,5 +1,5 @@
-"""AdamW8bit on ragged-sharded params equals the one-process run bit for bit (state and params), any world size;
-FSDP2 DTensor params fall back to per-rank blocks with a warning."""
+"""AdamW8bit on ragged-sharded params and on torch FSDP2 DTensor params equals the one-process run bit for bit
+(state and params), any world size."""
 
 import warnings
 
@@ -177,30 +177,124 @@ def test_cut_block_raises_clear_error():
         run_on_ranks(_cut_layout, 3)
 
 
-def _dtensor(rank, world_size, shapes, seed, block_size):
+def _dtensor(rank, world_size, shapes, seed, block_size, qmaps=None):
+    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
     from torch.distributed.tensor import distribute_tensor
 
     model = Params(shapes, seed)
     torch_fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
-    opt = make_opt(model.parameters(), block_size)
+    opt = (
+        make_opt(model.parameters(), block_size) if qmaps is None else make_opt_q(model.parameters(), block_size, qmaps)
+    )
+    calls, counts = [0], []
+    real_single, real_a2a = dist.all_to_all_single, dist.all_to_all
+
+    def counting(real):
+        def f(*a, **k):
+            calls[0] += 1
+            return real(*a, **k)
+
+        return f
+
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in range(STEPS):
             for p, g in zip(model.ws, grads_for(shapes, step, seed)):
                 p.grad = distribute_tensor(g, p.device_mesh, p.placements)
-            opt.step()
+            calls[0] = 0
+            dist.all_to_all_single, dist.all_to_all = counting(real_single), counting(real_a2a)
+            try:
+                opt.step()
+            finally:
+                dist.all_to_all_single, dist.all_to_all = real_single, real_a2a
+            counts.append(calls[0])
     msgs = [str(w.message) for w in caught if issubclass(w.category, UserWarning) and "DTensor" in str(w.message)]
-    return [p.full_tensor().clone() for p in model.ws], msgs
+    # every rank's dequantized state, placed at its global elements: a cut block lives on its owner only
+    states = []
+    for p in model.ws:
+        st_ = opt.dequantized_state(p)
+        ranges = opt.state_ranges(p)
+        pieces = {k: [] for k in ("exp_avg", "exp_avg_sq")}
+        for k in pieces:
+            flat, pos = st_[k].reshape(-1), 0
+            for s, e in ranges:
+                if e > s:
+                    pieces[k].append((s, flat[pos : pos + e - s].clone()))
+                    pos += e - s
+            assert pos == flat.numel()
+        out = [None] * world_size
+        dist.all_gather_object(out, pieces)
+        numel = p.numel()
+        full = []
+        for k in ("exp_avg", "exp_avg_sq"):
+            t, seen = torch.zeros(numel), torch.zeros(numel, dtype=torch.int32)
+            for d in out:
+                for s, v in d[k]:
+                    t[s : s + v.numel()] = v
+                    seen[s : s + v.numel()] += 1
+            assert bool((seen == 1).all()) if p.dim() and numel >= MIN_8BIT else True
+            full.append(t)
+        states.append(full if numel >= MIN_8BIT else [st_[k].reshape(-1) for k in ("exp_avg", "exp_avg_sq")])
+    return [p.full_tensor().clone() for p in model.ws], states, msgs, counts
 
 
-def test_dtensor_aligned_chunks_equal_one_process_and_cut_chunks_warn():
-    # (8, 32) over 2 ranks: row chunks of 4*32 = 128 elements, block boundaries for block_size 64: exact.
-    # (9, 10) over 2 ranks: chunks start at 50, inside a 64-block: per-rank blocks, one warning.
-    shapes = [(8, 32), (9, 10)]
-    ref_params, _ = one_process(shapes, 5, 64)
-    params, msgs = run_on_ranks(_dtensor, 2, shapes, 5, 64)[0]
-    assert torch.equal(params[0], ref_params[0])
-    assert len(msgs) == 1 and "(9, 10)" in msgs[0] and "world size" in msgs[0]
-    assert (params[1] - ref_params[1]).abs().max() < 0.05  # close, not bitwise: different blocks
+def make_opt_q(params, block_size, qmaps):
+    return AdamW8bit(params, lr=0.02, weight_decay=0.1, block_size=block_size, min_8bit_size=MIN_8BIT, qmaps=qmaps)
+
+
+def _check_dtensor(shapes, seed, block_size, world_size):
+    ref_params, ref_states = one_process(shapes, seed, block_size)
+    results = run_on_ranks(_dtensor, world_size, shapes, seed, block_size)
+    params, states, _, _ = results[0]
+    for pa, pb, s in zip(params, ref_params, shapes):
+        assert torch.equal(pa.reshape(s), pb.reshape(s)), s
+    for sa, sb, s in zip(states, ref_states, shapes):
+        if torch.Size(s).numel() >= MIN_8BIT:  # small params: fp32 state, per rank (checked through the params)
+            for x, y in zip(sa, sb):
+                assert torch.equal(x.reshape(-1), y.reshape(-1)), s
+    for _, _, msgs, counts in results:
+        assert msgs == []
+        assert all(c <= 2 for c in counts), counts
+
+
+dtensor_shape_st = st.one_of(
+    st.tuples(st.integers(1, 300)),
+    st.tuples(st.integers(1, 20), st.integers(1, 30)),
+    st.tuples(st.integers(1, 9), st.integers(1, 5), st.integers(1, 13)),
+)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    shapes=st.lists(dtensor_shape_st, min_size=1, max_size=3),
+    world_size=st.integers(1, 4),
+    block_size=st.sampled_from([1, 7, 32, 64, 100, 256]),
+    seed=st.integers(0, 99),
+)
+def test_dtensor_adamw8bit_bitwise_equals_one_process(shapes, world_size, block_size, seed):
+    _check_dtensor(shapes, seed, block_size, world_size)
+
+
+def test_dtensor_cut_chunks_fixed_cases():
+    # (9, 10) over 2 ranks: chunks start at 50, inside a 64-block: that block is owner-computed.
+    # (8, 32): chunk starts on block boundaries (no exchange); (37, 29) over 3 and 4 ranks: several cut blocks,
+    # a partial last block; (2, 50) over 4 ranks: empty chunks.
+    shapes = [(8, 32), (9, 10), (37, 29), (2, 50), (5,)]
+    for world_size in (2, 3, 4):
+        _check_dtensor(shapes, 5, 64, world_size)
+
+
+def test_dtensor_unfused_qmaps_equal_one_process():
+    shapes = [(9, 10), (13, 17)]
+    qmaps = ("int8", "fp8_e4m3")
+    model = Params(shapes, 2)
+    opt = make_opt_q(model.parameters(), 32, qmaps)
+    for step in range(STEPS):
+        for p, g in zip(model.ws, grads_for(shapes, step, 2)):
+            p.grad = g
+        opt.step()
+    params = run_on_ranks(_dtensor, 3, shapes, 2, 32, qmaps)[0][0]
+    for p, q in zip(params, model.ws):
+        assert torch.equal(p, q.detach())

@@ -13,15 +13,19 @@ The three kinds of params (see :mod:`ragged_optim.optim.base`):
   ``BlockSpec.elements(block_size, numel)`` and ``allow_split=False``, so every rank's range starts on a block
   boundary. Each rank quantizes its own blocks with no communication, and the state and params are bit-identical
   to the one-process run at any world size. The step checks the layout (a RuntimeError if a range is cut).
-- torch FSDP2 ``DTensor`` params (``Shard(0)``): torch's row chunks are not planned around blocks. Blocks restart
-  at each rank's first element (per-rank blocks), so the numerics depend on the world size unless every chunk
-  start happens to be a multiple of ``block_size``; a ``UserWarning`` names such params once.
+- torch FSDP2 ``DTensor`` params (``Shard(0)``, 1-D mesh): torch's row chunks are not planned around blocks, but
+  the blocks are still the global ones (``block_size`` elements from element 0). Each rank updates the blocks
+  wholly inside its row chunk in place; a block cut by a chunk boundary is owner-computed: its grad and param
+  pieces are gathered to one owner rank (one ``all_to_all`` for all cut blocks of the step, per process group),
+  the owner keeps that block's 8-bit state and runs the same fused update on the whole block, and the new param
+  pieces are scattered back (one ``all_to_all``). State and params are bit-identical to the one-process run at
+  any world size. Owners are balanced jointly over the optimizer's DTensor 8-bit params of a group, preferring the
+  rank that holds most of the block.
 """
 
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -29,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ragged_optim.comm.owner_exchange import BlockRoute, OwnerExchange
 from ragged_optim.kernels import (
     FORMATS,
     adamw8bit_constants,
@@ -39,10 +44,11 @@ from ragged_optim.kernels import (
     quantize_blockwise,
 )
 from ragged_optim.kernels.adamw8bit_ref import ieee_sqrt_
-from ragged_optim.optim.base import full_shape, is_dtensor, local, request_block_specs, scalar
+from ragged_optim.optim.base import full_shape, is_dtensor, local, process_group, request_block_specs, scalar
 from ragged_optim.optim.muon import adamw_update_
 from ragged_optim.optim.optimizer import RaggedOptimizer
 from ragged_optim.sharding import BlockSpec, shard_info
+from ragged_optim.sharding.owner_routes import balanced_owners, blocks_over_ranges, dtensor_local_ranges
 
 __all__ = ["AdamW8bit", "DEFAULT_QMAPS", "STATE_KEYS_8BIT"]
 
@@ -68,7 +74,9 @@ class AdamW8bit(RaggedOptimizer):
     State of an 8-bit param: ``step`` (fp32 scalar tensor), ``exp_avg_codes`` / ``exp_avg_sq_codes`` (one code per
     local element: uint8, int8 for the ``"int8"`` format) and ``exp_avg_scales`` / ``exp_avg_sq_scales`` (fp32, one
     per local block). Other params: torch's ``step``, ``exp_avg``, ``exp_avg_sq``. ``state_dict`` holds this rank's
-    state (same world size and layout to load it back).
+    state (same world size and layout to load it back). For a DTensor param the 8-bit entries hold the global
+    blocks this rank computes: first those wholly inside its row chunk, then the chunk-boundary-cut blocks it owns
+    (in element order); :meth:`state_ranges` names their flat element ranges.
     """
 
     def __init__(
@@ -93,7 +101,6 @@ class AdamW8bit(RaggedOptimizer):
             qmaps=tuple(qmaps),
         )
         self._validate_group(defaults)
-        self._warned: set[int] = set()
         super().__init__(params, defaults)
         # Ragged 8-bit params: re-plan their units so no rank boundary cuts a block (a collective on each unit).
         request_block_specs(
@@ -199,33 +206,74 @@ class AdamW8bit(RaggedOptimizer):
                 )
             return lo, hi
         if is_dtensor(p):
-            from ragged_optim.sharding.owner_routes import dtensor_local_ranges
-
-            ranges = dtensor_local_ranges(p)
-            if id(p) not in self._warned and any(a % block_size for a, b in ranges if b > a):
-                self._warned.add(id(p))
-                warnings.warn(
-                    f"{self._label(p)} is an FSDP2 DTensor whose row chunks {ranges} cut blocks of "
-                    f"block_size={block_size}: its 8-bit blocks restart at each rank's first element, so its "
-                    "quantized state (and the params after a few steps) depend on the world size. Shard it with "
-                    "ragged_optim.fully_shard for results identical to one process.",
-                    UserWarning,
-                    stacklevel=3,
-                )
-            return ranges[dist.get_rank(p.device_mesh.get_group())]
+            return dtensor_local_ranges(p)[dist.get_rank(p.device_mesh.get_group())]
         return 0, numel
+
+    @staticmethod
+    def _interior(lo: int, hi: int, numel: int, block_size: int) -> tuple[int, int]:
+        """The global blocks wholly inside ``[lo, hi)``, as one flat range ``[a, b)`` (empty when ``b <= a``)."""
+        if hi <= lo:
+            return lo, lo
+        a = -(-lo // block_size) * block_size
+        b = hi if hi == numel else (hi // block_size) * block_size
+        return (a, b) if b > a else (lo, lo)
+
+    def _dtensor_plan(self, p: Tensor) -> _CutBlockPlan:
+        """The cut-block plan of ``p``'s process group: every DTensor 8-bit param of this optimizer in that group
+        (owners fixed by that set, whichever params have grads in a step)."""
+        pg = process_group(p)
+        members = [
+            (q, g["block_size"])
+            for g in self.param_groups
+            for q in g["params"]
+            if is_dtensor(q) and self._is_8bit(q, g) and process_group(q) is pg
+        ]
+        key = (id(pg), tuple((id(q), bs) for q, bs in members))
+        cache = self.__dict__.setdefault("_cut_plans", {})
+        if key not in cache:
+            cache[key] = _CutBlockPlan(members, pg)
+        return cache[key]
+
+    def state_ranges(self, p: Tensor, group: dict[str, Any] | None = None) -> list[tuple[int, int]]:
+        """Flat element ranges ``[s, e)`` of the full param that this rank's state of ``p`` holds, in the order of
+        the state tensors (and of :meth:`dequantized_state`): ``[(0, numel)]`` for a plain param, this rank's range
+        for a ragged one (and for any param with fp32 state); for a DTensor 8-bit param, the blocks wholly inside
+        its row chunk, then the chunk-boundary-cut blocks this rank owns."""
+        if group is None:
+            group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
+        bs = group["block_size"]
+        lo, hi = self._local_range(p, bs)
+        if not (is_dtensor(p) and shard_info(p) is None and self._is_8bit(p, group)):
+            return [(lo, hi)]
+        a, b = self._interior(lo, hi, self._numel(p), bs)
+        plan = self._dtensor_plan(p)
+        return [(a, b)] + [(s, e) for s, e in plan.owned_blocks(p)]
+
+    def _state_parts(self, p: Tensor, group: dict[str, Any]) -> list[tuple[int, int]]:
+        """``(elements, blocks)`` of each part of the 8-bit state (parts quantize separately: a partial last block
+        of the param may sit inside the first part)."""
+        bs = group["block_size"]
+        parts = []
+        for i, (s, e) in enumerate(self.state_ranges(p, group)):
+            if i == 0 or e > s:
+                parts.append((max(0, e - s), num_blocks(max(0, e - s), bs)))
+        return parts
 
     # ------------------------------------------------------------------ state
 
-    def _init_8bit_state(self, state: dict, n: int, group: dict[str, Any], device) -> None:
+    def _init_8bit_state(self, state: dict, parts: list[tuple[int, int]], group: dict[str, Any], device) -> None:
         bs = group["block_size"]
         state["step"] = torch.tensor(0.0, dtype=torch.float32)
         for key, fmt in zip(("exp_avg", "exp_avg_sq"), group["qmaps"]):
-            codes, scales = quantize_blockwise(torch.zeros(n, device=device), bs, fmt)
-            state[f"{key}_codes"], state[f"{key}_scales"] = codes, scales
+            q = [quantize_blockwise(torch.zeros(n, device=device), bs, fmt) for n, _ in parts]
+            if len(q) == 1:
+                state[f"{key}_codes"], state[f"{key}_scales"] = q[0]
+            else:
+                state[f"{key}_codes"] = torch.cat([c for c, _ in q])
+                state[f"{key}_scales"] = torch.cat([sc for _, sc in q])
 
-    def _check_8bit_state(self, p: Tensor, state: dict, n: int, group: dict[str, Any]) -> None:
-        nb = num_blocks(n, group["block_size"])
+    def _check_8bit_state(self, p: Tensor, state: dict, parts: list[tuple[int, int]], group: dict[str, Any]) -> None:
+        n, nb = sum(n for n, _ in parts), sum(b for _, b in parts)
         for key, fmt in zip(("exp_avg", "exp_avg_sq"), group["qmaps"]):
             codes, scales = state.get(f"{key}_codes"), state.get(f"{key}_scales")
             ok = (
@@ -274,15 +322,15 @@ class AdamW8bit(RaggedOptimizer):
             for p in group["params"]:
                 state = self.state.get(p)
                 if state and self._is_8bit(p, group):
-                    lo, hi = self._local_range(p, group["block_size"])
                     for k in ("exp_avg_scales", "exp_avg_sq_scales"):
                         if isinstance(state.get(k), Tensor):
                             state[k] = state[k].to(torch.float32)
-                    self._check_8bit_state(p, state, hi - lo, group)
+                    self._check_8bit_state(p, state, self._state_parts(p, group), group)
 
     def dequantized_state(self, p: Tensor) -> dict[str, Tensor]:
         """``exp_avg`` and ``exp_avg_sq`` of ``p`` as fp32 tensors of this rank's local elements (flat for 8-bit
-        params); empty when ``p`` has no state yet."""
+        params; for a DTensor 8-bit param, the elements of :meth:`state_ranges`); empty when ``p`` has no state
+        yet."""
         state = self.state.get(p)
         if not state:
             return {}
@@ -291,8 +339,11 @@ class AdamW8bit(RaggedOptimizer):
         group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
         out = {}
         for key, fmt in zip(("exp_avg", "exp_avg_sq"), group["qmaps"]):
-            codes = state[f"{key}_codes"]
-            out[key] = dequantize_blockwise(codes, state[f"{key}_scales"], group["block_size"], fmt)
+            codes, scales, vals, n0, b0 = state[f"{key}_codes"], state[f"{key}_scales"], [], 0, 0
+            for n, nb in self._state_parts(p, group):
+                vals.append(dequantize_blockwise(codes[n0 : n0 + n], scales[b0 : b0 + nb], group["block_size"], fmt))
+                n0, b0 = n0 + n, b0 + nb
+            out[key] = vals[0] if len(vals) == 1 else torch.cat(vals)
         return out
 
     def state_bytes(self) -> dict[str, int]:
@@ -317,32 +368,19 @@ class AdamW8bit(RaggedOptimizer):
             )
         return grad
 
-    def _step_8bit(self, p: Tensor, grad: Tensor, group: dict[str, Any]) -> None:
-        bs = group["block_size"]
-        lo, hi = self._local_range(p, bs)
-        n = hi - lo
-        lp, lg = local(p), local(grad)
-        if lp.numel() != n or lg.numel() != n:
-            raise RuntimeError(
-                f"{self._label(p)}: local param/grad have {lp.numel()}/{lg.numel()} elements, expected {n} "
-                f"(this rank's range [{lo}, {hi}))"
-            )
-        state = self.state[p]
-        if not state:
-            self._init_8bit_state(state, n, group, lp.device)
-        self._check_8bit_state(p, state, n, group)
-        state["step"] += 1
-        if n == 0:
-            return
-        step = int(state["step"].item())
-        contiguous = lp.is_contiguous()
-        pv = lp.view(-1) if contiguous else lp.reshape(-1).clone()
-        gv = lg.reshape(-1)
-        if not gv.is_contiguous():
-            gv = gv.contiguous()
+    def _update(self, pv: Tensor, gv: Tensor, state: dict, n0: int, b0: int, group: dict[str, Any]) -> None:
+        """The 8-bit update of whole blocks ``pv``/``gv`` on the state's elements from ``n0`` and blocks from ``b0``."""
+        n, bs = pv.numel(), group["block_size"]
+        nb = num_blocks(n, bs)
+        s = {k: state[k][n0 : n0 + n] for k in ("exp_avg_codes", "exp_avg_sq_codes")}
+        s.update({k: state[k][b0 : b0 + nb] for k in ("exp_avg_scales", "exp_avg_sq_scales")})
         b1, b2 = group["betas"]
-        kw = dict(step=step, lr=scalar(group["lr"]), eps=group["eps"], weight_decay=group["weight_decay"])
-        s = state
+        kw = dict(
+            step=int(state["step"].item()),
+            lr=scalar(group["lr"]),
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+        )
         if group["qmaps"] == DEFAULT_QMAPS:
             adamw8bit_step(
                 pv,
@@ -358,8 +396,81 @@ class AdamW8bit(RaggedOptimizer):
             )
         else:
             _unfused_step(pv, gv, s, group["qmaps"], bs, beta1=b1, beta2=b2, **kw)
+
+    def _step_8bit(self, p: Tensor, grad: Tensor, group: dict[str, Any]) -> tuple | None:
+        """Updates the blocks this rank holds whole; for a DTensor param returns ``(p, flat local param, flat
+        local grad, group)`` for the cut blocks (updated by :meth:`_cut_blocks`), else None."""
+        bs = group["block_size"]
+        lo, hi = self._local_range(p, bs)
+        n = hi - lo
+        lp, lg = local(p), local(grad)
+        if lp.numel() != n or lg.numel() != n:
+            raise RuntimeError(
+                f"{self._label(p)}: local param/grad have {lp.numel()}/{lg.numel()} elements, expected {n} "
+                f"(this rank's range [{lo}, {hi}))"
+            )
+        dtensor = is_dtensor(p) and shard_info(p) is None
+        parts = self._state_parts(p, group)
+        state = self.state[p]
+        if not state:
+            self._init_8bit_state(state, parts, group, lp.device)
+        self._check_8bit_state(p, state, parts, group)
+        state["step"] += 1
+        if n == 0 and not dtensor:
+            return None
+        contiguous = lp.is_contiguous()
+        pv = lp.view(-1) if contiguous else lp.reshape(-1).clone()
+        gv = lg.reshape(-1)
+        if not gv.is_contiguous():
+            gv = gv.contiguous()
+        if dtensor:
+            a, b = self._interior(lo, hi, self._numel(p), bs)
+            if b > a:
+                self._update(pv[a - lo : b - lo], gv[a - lo : b - lo], state, 0, 0, group)
+            return p, pv, gv, group, None if contiguous else lp
+        self._update(pv, gv, state, 0, 0, group)
         if not contiguous:
             lp.copy_(pv.view(lp.shape))
+        return None
+
+    def _cut_blocks(self, pg, items: list[tuple]) -> None:
+        """The chunk-boundary-cut blocks of DTensor params of one process group: grad and param pieces gathered
+        to the owners (one all_to_all), the owners update the blocks whole, new param pieces scattered back (one
+        all_to_all). Collective: every rank of ``pg`` calls it with the same params."""
+        plan = self._dtensor_plan(items[0][0])
+        nroutes, item_routes, gather, scatter = plan.exchange([it[0] for it in items])
+        if nroutes == 0:
+            return
+        mine: list[Tensor | None] = [None] * (2 * nroutes)
+        for (p, pv, gv, _group, _lp), entry in zip(items, item_routes):
+            lo, hi = plan.my_range[id(p)]
+            for ri, s, e in entry:
+                a, b = max(lo, s), min(hi, e)
+                if b > a:
+                    mine[ri] = pv[a - lo : b - lo]
+                    mine[nroutes + ri] = gv[a - lo : b - lo].to(torch.float32)
+        full = gather.gather(mine)
+        results: dict[int, Tensor] = {}
+        for (p, _pv, _gv, group, _lp), entry in zip(items, item_routes):
+            owned = [ri for ri, _s, _e in entry if ri in full]
+            if not owned:
+                continue
+            state = self.state[p]
+            parts = self._state_parts(p, group)
+            pbuf = torch.cat([full[ri] for ri in owned])
+            gbuf = torch.cat([full[nroutes + ri] for ri in owned])
+            self._update(pbuf, gbuf, state, parts[0][0], parts[0][1], group)
+            for ri, piece in zip(owned, torch.split(pbuf, [full[ri].numel() for ri in owned])):
+                results[ri] = piece
+        back = scatter.scatter(results)
+        for (p, pv, _gv, _group, lp), entry in zip(items, item_routes):
+            lo, hi = plan.my_range[id(p)]
+            for ri, s, e in entry:
+                a, b = max(lo, s), min(hi, e)
+                if b > a:
+                    pv[a - lo : b - lo].copy_(back[ri])
+            if lp is not None:
+                lp.copy_(pv.view(lp.shape))
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
@@ -367,13 +478,17 @@ class AdamW8bit(RaggedOptimizer):
         loss, skip = self._begin_step(closure)
         if skip:
             return loss
+        cut: dict[int, tuple[Any, list[tuple]]] = {}  # DTensor params' cut blocks, per process group
         for group in self.param_groups:
             for p in group["params"]:
                 grad = self._grad_of(p)
                 if grad is None:
                     continue
                 if self._is_8bit(p, group):
-                    self._step_8bit(p, grad, group)
+                    item = self._step_8bit(p, grad, group)
+                    if item is not None:
+                        pg = process_group(p)
+                        cut.setdefault(id(pg), (pg, []))[1].append(item)
                 else:
                     b1, b2 = group["betas"]
                     adamw_update_(
@@ -386,7 +501,59 @@ class AdamW8bit(RaggedOptimizer):
                         eps=group["eps"],
                         weight_decay=group["weight_decay"],
                     )
+        for pg, items in cut.values():
+            self._cut_blocks(pg, items)
         return loss
+
+
+class _CutBlockPlan:
+    """The chunk-boundary-cut quantization blocks of the DTensor 8-bit params of one process group, with owners
+    balanced jointly (largest first, preferring the rank holding most of a block). ``exchange(params)`` gives the
+    routes of a subset of them (the params with grads in a step): ``(number of routes, per param
+    [(route index, start, end)], gather exchange (param routes, then grad routes), scatter exchange)``."""
+
+    def __init__(self, members: list[tuple[Tensor, int]], group) -> None:
+        self.rank, self.world, self.group = dist.get_rank(group), dist.get_world_size(group), group
+        self.my_range: dict[int, tuple[int, int]] = {}
+        self.blocks: dict[int, list[list]] = {}  # id(param) -> [[start, end, pieces, owner], ...]
+        pending = []
+        for q, bs in members:
+            numel = math.prod(full_shape(q))
+            ranges = dtensor_local_ranges(q)
+            self.my_range[id(q)] = ranges[self.rank]
+            cut = []
+            for s, e, pieces, holder in blocks_over_ranges(BlockSpec.elements(bs, numel), numel, ranges):
+                if len(pieces) >= 2:
+                    pending.append((cut, len(cut), float(e - s), holder))
+                    cut.append([s, e, pieces, None])
+            self.blocks[id(q)] = cut
+        if pending:
+            owners = balanced_owners([c for *_, c, _ in pending], [h for *_, h in pending], self.world)
+            for (cut, j, _, _), owner in zip(pending, owners):
+                cut[j][3] = owner
+        self._exchanges: dict[tuple, tuple] = {}
+
+    def owned_blocks(self, p: Tensor) -> list[tuple[int, int]]:
+        return [(s, e) for s, e, _, owner in self.blocks[id(p)] if owner == self.rank]
+
+    def exchange(self, params: list[Tensor]) -> tuple:
+        key = tuple(id(p) for p in params)
+        if key not in self._exchanges:
+            routes: list[BlockRoute] = []
+            item_routes = []
+            for p in params:
+                entry = []
+                for s, e, pieces, owner in self.blocks[id(p)]:
+                    entry.append((len(routes), s, e))
+                    routes.append(BlockRoute(e - s, owner, pieces))
+                item_routes.append(entry)
+            self._exchanges[key] = (
+                len(routes),
+                item_routes,
+                OwnerExchange(routes + routes, self.rank, self.world, self.group),
+                OwnerExchange(routes, self.rank, self.world, self.group),
+            )
+        return self._exchanges[key]
 
 
 def _unfused_step(
