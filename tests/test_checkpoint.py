@@ -254,3 +254,25 @@ def test_optimizer_state_dict_from_other_model_names_param():
 def test_missing_checkpoint_is_clear(tmp_path):
     with pytest.raises(CheckpointError, match="no checkpoint at"):
         load_checkpoint(str(tmp_path / "nothing"), Net())
+
+
+def save_run_hsdp(rank, world, path):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    model = Net()
+    for sub in (model.muon, model.shampoo, model.adam8):
+        fully_shard(sub, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opts = make_optimizers(model)
+    train(model, opts, 0, SAVE_AT)
+    save_checkpoint(path, model, opts, extra={"step": SAVE_AT})
+    return True
+
+
+def test_checkpoint_saved_under_hsdp_resumes_under_fsdp(tmp_path, ref):
+    # Replicas hold identical shards; the checkpoint keeps one copy and reshards to a plain 3-rank FSDP.
+    path = str(tmp_path / "hsdp")
+    run_on_ranks(save_run_hsdp, 4, path)
+    assert is_complete(path)
+    assert_matches(run_on_ranks(resume_run, 3, path)[0], ref)
