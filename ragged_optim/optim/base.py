@@ -106,14 +106,18 @@ class BlockPlan:
     ``item_routes[k]``: for param k, ``(route index, block start, block end)`` in tensor order; ``exchange`` moves
     every block in one all_to_all each way."""
 
-    def __init__(self, params: list[torch.Tensor], spec_of, matrix_shape_of, group):
+    def __init__(self, params: list[torch.Tensor], spec_of, cost_of, group, *, only_cut: bool = False):
+        """``spec_of(p)``: the param's BlockSpec (DTensor params; ragged params route their layout's owned
+        blocks). ``cost_of(p, numel)``: a block's compute cost, for balancing DTensor owners. ``only_cut``: route
+        only DTensor blocks that a row-chunk boundary cuts (the rest are computed where they lie)."""
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         routes: list[BlockRoute] = []
         self.item_routes: list[list[tuple[int, int, int]]] = []
         self.my_range: list[tuple[int, int]] = []
         pending = []  # DTensor blocks whose owners are assigned jointly below
         for p in params:
-            self.my_range.append(local_ranges(p)[rank])
+            ranges = local_ranges(p)
+            self.my_range.append(ranges[rank])
             entry = []
             if shard_info(p) is not None:
                 rs, spans = ragged_routes(p)
@@ -122,9 +126,11 @@ class BlockPlan:
                     routes.append(r)
             else:
                 numel = int(np.prod(full_shape(p)))
-                for s, e, pieces, holder in blocks_over_ranges(spec_of(p), numel, local_ranges(p)):
+                for s, e, pieces, holder in blocks_over_ranges(spec_of(p), numel, ranges):
+                    if only_cut and len(pieces) < 2:
+                        continue  # whole on one rank: computed there
                     entry.append((len(routes), s, e))
-                    pending.append((len(routes), e - s, pieces, holder, ns_cost(e - s, matrix_shape_of(p))))
+                    pending.append((len(routes), e - s, pieces, holder, cost_of(p, e - s)))
                     routes.append(None)
             self.item_routes.append(entry)
         if pending:

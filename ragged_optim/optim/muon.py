@@ -35,6 +35,7 @@ from ragged_optim.optim.base import (
     BlockPlan,
     full_shape,
     local,
+    ns_cost,
     process_group,
     request_block_specs,
     scalar,
@@ -417,7 +418,8 @@ class Muon(RaggedOptimizer):
         key = (id(pg), tuple(id(p) for p in params))
         if key not in cache:
             spec_of = lambda p: BlockSpec.matrices(full_shape(p))
-            cache[key] = BlockPlan(params, spec_of, self._matrix_shape, pg)
+            cost_of = lambda p, numel: ns_cost(numel, self._matrix_shape(p))
+            cache[key] = BlockPlan(params, spec_of, cost_of, pg)
         return cache[key]
 
     def _wire_dtype(self, groups: list[dict]) -> torch.dtype | str | None:

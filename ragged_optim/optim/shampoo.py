@@ -44,12 +44,10 @@ import warnings
 from collections.abc import Iterable
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ragged_optim.comm.owner_exchange import BlockRoute, OwnerExchange
 from ragged_optim.kernels.matrix_root import RootInverseError, matrix_inverse_root
 from ragged_optim.optim.base import (
     BlockPlan,
@@ -63,7 +61,6 @@ from ragged_optim.optim.base import (
 )
 from ragged_optim.optim.optimizer import RaggedOptimizer
 from ragged_optim.sharding import BlockSpec, shard_info
-from ragged_optim.sharding.owner_routes import balanced_owners, blocks_over_ranges, ragged_routes
 
 __all__ = ["Shampoo", "GRAFTING_METHODS", "shampoo_band_spec", "matrix_view_shape"]
 
@@ -185,45 +182,6 @@ def _vector_update(g: Tensor, state: dict, t: int, hp: dict) -> Tensor:
     if t < hp["start_preconditioning_step"]:
         return g
     return g * (diag + hp["epsilon"]).pow(-_exponent(hp, 1))
-
-
-class _SplitBandPlan(BlockPlan):
-    """A :class:`BlockPlan` of the split bands only: the planner's split bands of ragged params, and of DTensor
-    params the bands that a row-chunk boundary cuts (bands inside one rank's chunk are computed there and get no
-    route). Owners of DTensor bands are balanced over the group, preferring the rank holding most of the band."""
-
-    def __init__(self, params: list[Tensor], spec_of, group):
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
-        routes: list[BlockRoute | None] = []
-        self.item_routes = []
-        self.my_range = []
-        pending = []
-        for p in params:
-            ranges = local_ranges(p)
-            self.my_range.append(ranges[rank])
-            entry = []
-            if shard_info(p) is not None:
-                rs, spans = ragged_routes(p)
-                for r, (s, e) in zip(rs, spans):
-                    entry.append((len(routes), s, e))
-                    routes.append(r)
-            else:
-                numel = int(np.prod(full_shape(p)))
-                cols = matrix_view_shape(full_shape(p))[1]
-                for s, e, pieces, holder in blocks_over_ranges(spec_of(p), numel, ranges):
-                    if len(pieces) < 2:
-                        continue  # whole on one rank: computed there
-                    rows = (e - s) // cols
-                    entry.append((len(routes), s, e))
-                    pending.append((len(routes), e - s, pieces, holder, float(e - s) * rows))
-                    routes.append(None)
-            self.item_routes.append(entry)
-        if pending:
-            owners = balanced_owners([c for *_, c in pending], [h for _, _, _, h, _ in pending], world)
-            for (ri, numel, pieces, _, _), owner in zip(pending, owners):
-                routes[ri] = BlockRoute(numel, owner, pieces)
-        self.routes = routes
-        self.exchange = OwnerExchange(routes, rank, world, group)
 
 
 class Shampoo(RaggedOptimizer):
@@ -509,7 +467,11 @@ class Shampoo(RaggedOptimizer):
         key = (id(pg), tuple(id(p) for p in params))
         if key not in cache:
             B = {id(p): g["max_preconditioner_dim"] for p, g in zip(params, groups)}
-            cache[key] = _SplitBandPlan(params, lambda p: shampoo_band_spec(full_shape(p), B[id(p)]), pg)
+            # Split bands only: the planner's split bands of ragged params, and DTensor bands a row-chunk boundary
+            # cuts (owners balanced over the group on rows x numel, preferring the rank holding most of the band).
+            spec_of = lambda p: shampoo_band_spec(full_shape(p), B[id(p)])
+            cost_of = lambda p, numel: float(numel) * (numel // matrix_view_shape(full_shape(p))[1])
+            cache[key] = BlockPlan(params, spec_of, cost_of, pg, only_cut=True)
         return cache[key]
 
     @torch.no_grad()
