@@ -32,22 +32,12 @@ def _adamw(model, lr):
     return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
 
 
-def _sharded(model):
-    shard_model(model, "ours")
-    return model
-
-
-def _sharded_fsdp2(model, world_size):
-    shard_model(model, "torch")  # torch's default mesh: the world
-    return model
-
-
 def _rank(rank, world_size, cfg, batch_size, steps, lr, compare_single):
     from ragged_optim.sharding import full_tensor
 
     batches = [get_batch("train", batch_size, cfg.seq_len, s, rank, world_size) for s in range(steps + 2)]
-    ours = _sharded(build_model(cfg, seed=0))
-    fsdp2 = _sharded_fsdp2(build_model(cfg, seed=0), world_size)
+    ours = shard_model(build_model(cfg, seed=0), "ours")
+    fsdp2 = shard_model(build_model(cfg, seed=0), "torch")
     sides = {"ours": (ours, _adamw(ours, lr)), "fsdp2": (fsdp2, _adamw(fsdp2, lr))}
     times = {"ours": [], "fsdp2": []}
     counts = {}

@@ -122,25 +122,15 @@ def _single(dims, batch_size, world_size, steps, ns_dtype):
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _sharded(model):
-    shard_model(model, "ours")
-    return model
-
-
-def _sharded_fsdp2(model, world_size):
-    shard_model(model, "torch")  # torch's default mesh: the world
-    return model
-
-
 def _rank(rank, world_size, dims, batch_size, steps, ns_dtype, compare_single):
     import numpy as np
 
     from ragged_optim.sharding import full_tensor, units_of
     from ragged_optim.sharding.planner import owner_compute_loads
 
-    ours = _sharded(MatrixChain(dims))
+    ours = shard_model(MatrixChain(dims), "ours")
     ours_opt = _ours_opt(ours, ns_dtype)
-    fsdp2 = _sharded_fsdp2(MatrixChain(dims), world_size)
+    fsdp2 = shard_model(MatrixChain(dims), "torch")
     torch_opt, torch_status = _torch_opt(fsdp2), "ok"
     sides = {"ours": (ours, ours_opt), "torch": (fsdp2, torch_opt)}
     times = {"ours": [], "torch": []}
@@ -191,7 +181,7 @@ def _rank(rank, world_size, dims, batch_size, steps, ns_dtype, compare_single):
     full_ours = {n: full_tensor(p).clone() for n, p in ours.named_parameters()}
     full_torch = {n: p.full_tensor().clone() for n, p in fsdp2.named_parameters()}
     # The parity run in fp32 Newton-Schulz (no bf16 rounding differences can hide there): ours only, untimed.
-    fp32 = _sharded(MatrixChain(dims))
+    fp32 = shard_model(MatrixChain(dims), "ours")
     fp32_opt = _ours_opt(fp32, torch.float32)
     for s in range(steps + 1):
         _loss(fp32, *_batch(s, batch_size, dims, rank, world_size)).backward()

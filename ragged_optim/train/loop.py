@@ -31,11 +31,11 @@ from ragged_optim.train.optimizers import OPTIMIZERS, make_optimizer
 from ragged_optim.train.progress import Progress
 
 
-def shard_model(model: GPT, kind: str, **kwargs) -> str:
+def shard_model(model: GPT, kind: str, **kwargs) -> GPT:
     """FSDP per block of ``model.layers``, then the root: ``"ours"`` (RaggedShard), ``"torch"`` (FSDP2) or
-    ``"none"``; ``kwargs`` go to every ``fully_shard`` call (mesh, policies). Returns ``kind``."""
+    ``"none"``; ``kwargs`` go to every ``fully_shard`` call (mesh, policies). Returns ``model``."""
     if kind == "none":
-        return kind
+        return model
     if kind == "ours":
         from ragged_optim.sharding import fully_shard
     else:
@@ -43,7 +43,7 @@ def shard_model(model: GPT, kind: str, **kwargs) -> str:
     for block in model.layers:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
-    return kind
+    return model
 
 
 def _mean_over_ranks(x: torch.Tensor, world_size: int) -> torch.Tensor:
@@ -62,7 +62,8 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig, device: str | torch
     mcfg = cfg.model_config()
     model = build_model(mcfg, seed=cfg.seed).to(device)
     n_params = num_params(model)
-    fsdp = shard_model(model, cfg.fsdp)
+    fsdp = cfg.fsdp
+    shard_model(model, fsdp)
     opt = make_optimizer(cfg.optimizer, model, cfg.lr)
     for group in opt.param_groups:
         group.setdefault("initial_lr", group["lr"])
