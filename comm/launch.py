@@ -119,18 +119,19 @@ def _collect(procs, conns, timeout_s: float) -> list[Any]:
                     try:
                         status, payload = conn.recv()
                     except EOFError:
-                        status, payload = (
-                            "error",
-                            f"rank {rank} died (exit code {procs[rank].exitcode}) without a result",
-                        )
+                        procs[rank].join(timeout=1)
+                        failure = RankFailure(_died(rank, procs))
+                        pending.discard(rank)
+                        break
+                    pending.discard(rank)
                     if status == "ok":
                         results[rank] = pickle.loads(payload)
-                        pending.discard(rank)
                     else:
                         failure = RankFailure(f"rank {rank} failed: {payload}")
                         break
-                elif not procs[rank].is_alive() and not conn.poll(0):
+                elif not procs[rank].is_alive() and not conn.poll(1.0):  # a last report may still be in flight
                     failure = RankFailure(_died(rank, procs))
+                    pending.discard(rank)
                     break
             if failure is None and time.monotonic() > deadline:
                 failure = RankFailure(f"ranks {sorted(pending)} did not finish within {timeout_s:.0f} s")
@@ -168,7 +169,7 @@ def _with_peer_errors(failure: RankFailure, procs, conns, pending, grace_s: floa
                     procs[rank].join(timeout=1)
                     messages.append(_died(rank, procs))
                     continue
-                if status == "error" and f"rank {rank} failed" not in messages[0]:
+                if status == "error":
                     messages.append(f"rank {rank} failed: {payload}")
     # The rank that died or raised reads better than the peers' transport errors: those go last.
     messages.sort(key=lambda m: (" died " not in m, "gloo" in m.split("\n", 1)[0]))
