@@ -30,6 +30,9 @@ MUON_KEYS = {
     "owner_compute_max_over_mean",
     "max_rel_diff_vs_unsharded",
     "torch_status",
+    "ours_native_ns_opt_step_s",
+    "speedup_same_ns_matmul",
+    "ours_ns_matmul",
 }
 
 
@@ -68,6 +71,8 @@ def test_muon_keys_and_sanity(muon_result):
     assert r["torch_status"] == "ok" or r["torch_status"]  # a one-line error when torch's Muon cannot run
     assert 0 < r["ours_collectives_per_step"] <= 2 * r["units_with_muon_params"]
     assert r["torch_collectives_per_step"] > 0
+    assert r["ours_ns_matmul"] in ("native", "upcast")
+    assert math.isclose(r["speedup_same_ns_matmul"], r["torch_muon_fsdp2_opt_step_s"] / r["ours_native_ns_opt_step_s"])
     assert 0 < r["ours_bytes_per_step"]
     assert r["ours_bytes_over_shard_wire_max"] <= 2.0
     assert 1.0 <= r["owner_compute_max_over_mean"] <= 1.5

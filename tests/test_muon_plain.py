@@ -48,7 +48,7 @@ def run_steps(opts, param_lists, steps, seed=1):
 @pytest.mark.parametrize("shape", SHAPES + [(64, 128), (128, 64)])
 def test_ns_2d_bitwise_equals_torch(shape):
     G = torch.randn(shape, generator=torch.Generator().manual_seed(3))
-    ours = newton_schulz(G)
+    ours = newton_schulz(G, matmul="native")
     theirs = torch_ns(G.clone(), (3.4445, -4.7750, 2.0315), 5, 1e-7)
     assert ours.dtype == G.dtype and theirs.dtype == torch.bfloat16
     assert torch.equal(ours, theirs.float())
@@ -108,7 +108,7 @@ def test_matches_torch_muon(nesterov, weight_decay, adjust_lr, capsys):
     ps = make_params(SHAPES)
     qs = clone_params(ps)
     kw = dict(lr=0.02, momentum=0.9, nesterov=nesterov, weight_decay=weight_decay)
-    ours = Muon(ps, adjust_lr=adjust_lr, **kw)
+    ours = Muon(ps, adjust_lr=adjust_lr, ns_matmul="native", **kw)
     theirs = torch.optim.Muon(qs, adjust_lr_fn=adjust_lr, **kw)
     run_steps([ours, theirs], [ps, qs], steps=6)
     worst = max(rel_diff(p, q) for p, q in zip(ps, qs))
@@ -127,14 +127,14 @@ def test_fp32_ns_close_to_torch_and_bf16_tolerance(capsys):
     p0 = [p.detach().clone() for p in ps]
     qs, rs = clone_params(ps), clone_params(ps)
     fp32 = Muon(ps, ns_dtype=torch.float32, weight_decay=0.01)
-    bf16 = Muon(rs, weight_decay=0.01)
+    bf16 = Muon(rs, weight_decay=0.01, ns_matmul="native")
     ref = torch.optim.Muon(qs, lr=0.02, weight_decay=0.01)
     run_steps([fp32, bf16, ref], [ps, qs, rs], steps=10)
     for r, q in zip(rs, qs):
         assert torch.equal(r, q)
     worst = max(((p - q).abs().max() / (p - x).abs().max()).item() for p, q, x in zip(ps, qs, p0))
     one = max(
-        rel_diff(newton_schulz(G, dtype=torch.bfloat16), newton_schulz(G, dtype=torch.float32))
+        rel_diff(newton_schulz(G, dtype=torch.bfloat16, matmul="native"), newton_schulz(G, dtype=torch.float32))
         for G in (torch.randn(s, generator=torch.Generator().manual_seed(7)) for s in SHAPES + [(256, 512)])
     )
     with capsys.disabled():
@@ -185,7 +185,15 @@ def test_adamw_group_equals_torch_adamw(weight_decay):
 def test_default_split_by_ndim_uses_adamw_defaults():
     w, b = make_params([(8, 4), (8,)])
     w2, b2 = clone_params([w, b])
-    ours = Muon([w, b], lr=0.03, adamw_lr=1e-2, adamw_betas=(0.9, 0.9), adamw_eps=1e-9, adamw_weight_decay=0.1)
+    ours = Muon(
+        [w, b],
+        lr=0.03,
+        adamw_lr=1e-2,
+        adamw_betas=(0.9, 0.9),
+        adamw_eps=1e-9,
+        adamw_weight_decay=0.1,
+        ns_matmul="native",
+    )
     assert [g["use_muon"] for g in ours.param_groups] == [True, False]
     assert ours.param_groups[1]["lr"] == 1e-2 and "momentum" not in ours.param_groups[1]
     ref_m = torch.optim.Muon([w2], lr=0.03, weight_decay=0.0)
@@ -368,7 +376,8 @@ def test_seam_one_orthogonalize_call_per_step_and_batched_matmul_option(capsys):
 
     ps = make_params(SHAPES)
     qs = clone_params(ps)
-    ours = Recording([{"params": ps[:3], "use_muon": True}, {"params": ps[3:], "use_muon": True, "lr": 0.02}])
+    groups = [{"params": ps[:3], "use_muon": True}, {"params": ps[3:], "use_muon": True, "lr": 0.02}]
+    ours = Recording(groups, ns_matmul="native")
     theirs = torch.optim.Muon(qs, lr=0.02, weight_decay=0.0)
     run_steps([ours, theirs], [ps, qs], steps=3)
     assert calls == [[tuple(s) for s in SHAPES]] * 3  # all groups in one call per step

@@ -2,11 +2,16 @@
 ``torch.optim.Muon`` on PyTorch FSDP2 (DTensor ``Shard(0)`` params), in the same ``run_on_ranks`` call.
 
 The model is a chain of bias-free ``nn.Linear`` layers (10 matrices: 1024x256, 256x1024, 512x256, 512x512, ...),
-one FSDP unit per layer plus the (empty) root. Each step runs forward + backward on both models (untimed), then
-times ``opt.step()`` alone with a barrier on each side; the two sides alternate which goes first. Step 0 is the
+one FSDP unit per layer plus the (empty) root. Each step runs forward + backward on every model (untimed), then
+times ``opt.step()`` alone with a barrier on each side; the sides alternate which goes first. Step 0 is the
 counted warmup (``count_collectives`` around ``opt.step()``, which sees DTensor's functional collectives as well
 as torch.distributed calls). Rank 0 then replays the steps in one process with ``ragged_optim.optim.Muon`` and
 compares (relative to the size of the total update).
+
+Ours runs twice, on two copies of the model: with its default ``ns_matmul="auto"`` (``speedup``: what a user gets)
+and with ``ns_matmul="native"``, torch's own bf16 matmuls (``speedup_same_ns_matmul``: the distributed design
+alone). On a GPU both are the same kernel; on a CPU without a bf16 GEMM "auto" means fp32 matmuls on bf16-rounded
+operands, and the gap between the two speedups is that kernel choice.
 
 torch.optim.Muon takes DTensor params in torch 2.13: its Newton-Schulz runs through DTensor ops, which
 redistribute (all-gather / all-reduce) inside the iteration. Should it raise, ``torch_status`` carries the error
@@ -58,11 +63,17 @@ def _loss(model, x, y):
     return (model(x) - y).square().mean()
 
 
-def _ours_opt(model, ns_dtype):
+def _ours_opt(model, ns_dtype, ns_matmul="auto"):
     from ragged_optim.optim import Muon
 
     return Muon(
-        model.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY, ns_dtype=ns_dtype, adjust_lr="original"
+        model.parameters(),
+        lr=LR,
+        momentum=MOMENTUM,
+        weight_decay=WEIGHT_DECAY,
+        ns_dtype=ns_dtype,
+        adjust_lr="original",
+        ns_matmul=ns_matmul,
     )
 
 
@@ -125,19 +136,22 @@ def _single(dims, batch_size, world_size, steps, ns_dtype):
 def _rank(rank, world_size, dims, batch_size, steps, ns_dtype, compare_single):
     import numpy as np
 
+    from ragged_optim.kernels.newton_schulz import resolve_ns_matmul
     from ragged_optim.sharding import full_tensor, units_of
     from ragged_optim.sharding.planner import owner_compute_loads
 
     ours = shard_model(MatrixChain(dims), "ours")
     ours_opt = _ours_opt(ours, ns_dtype)
+    native = shard_model(MatrixChain(dims), "ours")
+    native_opt = _ours_opt(native, ns_dtype, ns_matmul="native")
     fsdp2 = shard_model(MatrixChain(dims), "torch")
     torch_opt, torch_status = _torch_opt(fsdp2), "ok"
-    sides = {"ours": (ours, ours_opt), "torch": (fsdp2, torch_opt)}
-    times = {"ours": [], "torch": []}
+    sides = {"ours": (ours, ours_opt), "ours_native": (native, native_opt), "torch": (fsdp2, torch_opt)}
+    times = {name: [] for name in sides}
     counts = {}
     for s in range(steps + 1):
         x, y = _batch(s, batch_size, dims, rank, world_size)
-        order = ["ours", "torch"] if s % 2 == 0 else ["torch", "ours"]
+        order = list(sides) if s % 2 == 0 else list(reversed(sides))
         for name in order:
             model, opt = sides[name]
             _loss(model, x, y).backward()
@@ -164,6 +178,8 @@ def _rank(rank, world_size, dims, batch_size, steps, ns_dtype, compare_single):
     out = {
         "ours_opt_step_s": median(times["ours"]),
         "torch_muon_fsdp2_opt_step_s": median(times["torch"]),
+        "ours_ns_matmul": resolve_ns_matmul(ours_opt.ns_matmul, ns_dtype, next(ours.parameters()).device),
+        "ours_native_ns_opt_step_s": median(times["ours_native"]),
         "ours_opt_step_times_s": times["ours"],
         "torch_opt_step_times_s": times["torch"],
         "torch_status": torch_status,
@@ -224,10 +240,11 @@ def run(
         "matrices": [f"{b}x{a}" for a, b in zip(dims[:-1], dims[1:])],
         "ns_dtype": str(ns_dtype).removeprefix("torch."),
         "timed_steps": steps,
-        "harness": "one run_on_ranks call: both models per rank, ours and torch alternating each step",
+        "harness": "one run_on_ranks call: 3 models per rank (ours auto, ours native NS, torch), order alternating",
     }
     out.update(results[0])
     out["speedup"] = out["torch_muon_fsdp2_opt_step_s"] / out["ours_opt_step_s"]
+    out["speedup_same_ns_matmul"] = out["torch_muon_fsdp2_opt_step_s"] / out["ours_native_ns_opt_step_s"]
     out["ours_collectives_per_unit_per_step"] = out["ours_collectives_per_step"] / max(1, out["units_with_muon_params"])
     ratios = [r["ours_bytes_per_step"] / r["ours_shard_wire_bytes"] for r in results if r["ours_shard_wire_bytes"]]
     out["ours_bytes_per_rank"] = [r["ours_bytes_per_step"] for r in results]
