@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -211,6 +212,20 @@ def test_group_overrides_in_split_group():
 
 
 # --------------------------------------------------------------------------- machinery
+
+
+def test_only_1d_params_warn_and_take_adamw():
+    b1, b2 = make_params([(8,), (3,)])
+    with pytest.warns(UserWarning, match="no matrix params: all 2 params"):
+        opt = Muon([b1, b2])
+    assert [g["use_muon"] for g in opt.param_groups] == [False]
+    ref = torch.optim.AdamW(clone_params([b1, b2]), lr=3e-4, betas=(0.9, 0.95), eps=1e-10, weight_decay=0.0)
+    run_steps([opt, ref], [[b1, b2], ref.param_groups[0]["params"]], steps=2)
+    assert all(torch.equal(p, q) for p, q in zip([b1, b2], ref.param_groups[0]["params"]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Muon([{"params": [b1], "use_muon": False}])  # explicit: no warning
+        Muon([b1, make_params([(4, 4)])[0]])  # a matrix among them: no warning
 
 
 def test_no_grad_params_skipped():

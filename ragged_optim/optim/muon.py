@@ -19,6 +19,7 @@ CPU in our tests), and of the AdamW params match ``torch.optim.AdamW`` (single-t
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
@@ -202,7 +203,17 @@ class Muon(RaggedOptimizer):
             raise ValueError(f"ns_matmul must be one of {NS_MATMUL_MODES}, got {ns_matmul!r}")
         self.wire_dtype = wire_dtype
         self.ns_matmul = ns_matmul
+        self._split_by_shape = False  # set when a group without ``use_muon`` was split by ndim
         super().__init__(params, defaults)
+        if self._split_by_shape and not any(g["params"] for g in self.param_groups if g["use_muon"]):
+            n = sum(len(g["params"]) for g in self.param_groups)
+            warnings.warn(
+                f"Muon got no matrix params: all {n} params have fewer than 2 dims and take its AdamW path. "
+                "Pass the model's hidden weight matrices (ragged_optim.muon_param_groups(model) routes a whole "
+                "model), or use torch.optim.AdamW for these params.",
+                UserWarning,
+                stacklevel=2,
+            )
         # Ragged-sharded Muon params: ask their units to re-plan so each matrix has one owner (a collective).
         request_block_specs(
             [(p, BlockSpec.matrices(full_shape(p))) for g in self.param_groups if g["use_muon"] for p in g["params"]]
@@ -223,6 +234,7 @@ class Muon(RaggedOptimizer):
             entries = list(entries)
         use_muon = param_group.get("use_muon")
         if use_muon is None:
+            self._split_by_shape = True
             tensor = lambda e: e[1] if isinstance(e, tuple) else e
             is_matrix = lambda e: isinstance(tensor(e), Tensor) and len(full_shape(tensor(e))) >= 2
             matrices = [e for e in entries if is_matrix(e)]
