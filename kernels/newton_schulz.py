@@ -96,7 +96,8 @@ def newton_schulz(
             but not in fp32), and the
             default keeps ``newton_schulz(G)[i] == newton_schulz(G[i])`` bit for bit on every backend.
         matmul: ``"auto"``, ``"native"`` (torch.optim.Muon's ops, bitwise) or ``"upcast"`` (operands rounded to
-            ``dtype``, each matmul in float32); see the module docstring.
+            ``dtype``, each matmul in float32; bf16 and fp16 only, fp32/fp64 compute is left alone); see the module
+            docstring.
 
     Returns:
         A new tensor with ``G``'s shape and dtype (``G`` is never modified).
@@ -115,7 +116,8 @@ def newton_schulz(
     if G.numel() == 0:
         return torch.zeros_like(G)
     transpose = m > n
-    upcast = resolve_ns_matmul(matmul, dtype, G.device) == "upcast" and dtype != torch.float32
+    # fp32 and fp64 compute have nothing to upcast to: "upcast" only changes bf16 and fp16.
+    upcast = resolve_ns_matmul(matmul, dtype, G.device) == "upcast" and dtype in (torch.bfloat16, torch.float16)
     # r(t) rounds a result to the compute dtype; under "upcast" the math runs in float32 on already-rounded values.
     compute = torch.float32 if upcast else dtype
     r = (lambda t: t.to(dtype).to(compute)) if upcast else (lambda t: t)

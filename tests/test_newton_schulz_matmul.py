@@ -63,6 +63,14 @@ def test_upcast_as_accurate_as_native(capsys):
         print("\n[NS upcast vs native, each vs fp32] " + ", ".join(f"{s}: {u:.3g}/{n:.3g}" for s, u, n in rows))
 
 
+def test_upcast_leaves_fp32_and_fp64_compute_alone():
+    G = randn((20, 12), seed=3).double()
+    for dtype in (torch.float32, torch.float64):
+        assert torch.equal(
+            newton_schulz(G, dtype=dtype, matmul="upcast"), newton_schulz(G, dtype=dtype, matmul="native")
+        )
+
+
 def test_upcast_batched_equals_per_matrix():
     G = randn((3, 40, 24), seed=2)
     each = torch.stack([newton_schulz(x, matmul="upcast") for x in G])
