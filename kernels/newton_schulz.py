@@ -64,11 +64,9 @@ def resolve_ns_matmul(matmul: str, dtype: torch.dtype, device: torch.device | st
 def _cpu_has_lowp_gemm(dtype: torch.dtype) -> bool:
     if not torch.backends.mkldnn.is_available():
         return False
-    check = torch.ops.mkldnn._is_mkldnn_bf16_supported if dtype == torch.bfloat16 else None
-    if dtype == torch.float16:
-        check = torch.ops.mkldnn._is_mkldnn_fp16_supported
+    name = "_is_mkldnn_bf16_supported" if dtype == torch.bfloat16 else "_is_mkldnn_fp16_supported"
     try:
-        return bool(check())
+        return bool(getattr(torch.ops.mkldnn, name)())
     except (AttributeError, RuntimeError):  # an older or stripped build: assume no native kernel
         return False
 
