@@ -5,6 +5,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from ragged_optim.bench import cli as bench_cli
 from ragged_optim.cli import main
@@ -68,7 +69,9 @@ def test_muon_keys_and_sanity(muon_result):
     r = muon_result
     assert MUON_KEYS <= r.keys()
     assert r["ours_opt_step_s"] > 0 and r["torch_muon_fsdp2_opt_step_s"] > 0
-    assert r["torch_status"] == "ok" or r["torch_status"]  # a one-line error when torch's Muon cannot run
+    # torch 2.13 (the pinned dev version) runs torch.optim.Muon on DTensors; a later torch that cannot would
+    # report a one-line error here and fall back to _GatherFullMuon.
+    assert r["torch_status"] == "ok" or not torch.__version__.startswith("2.13"), r["torch_status"]
     assert 0 < r["ours_collectives_per_step"] <= 2 * r["units_with_muon_params"]
     assert r["torch_collectives_per_step"] > 0
     assert r["ours_ns_matmul"] in ("native", "upcast")
