@@ -136,24 +136,69 @@ def test_params_and_grads_alias_the_flat_buffers():
     assert calls["reduce_scatter"] == n_units
 
 
-def _owns_nothing(rank, world_size):
-    model = shard(make_model(n_blocks=1), fully_shard)
-    tiny = units_of(model)[0]  # the block: far fewer elements than the root
-    owned = [shard_info(p).local_range for p in tiny.sharded_params]
-    x, y = batch(0)
+class _Scale(torch.nn.Module):
+    """A unit of 3 elements: over 8 ranks, most ranks own nothing of it at all."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.tensor([1.0, 0.5, 2.0]))
+
+    def forward(self, x):
+        return x * self.w.mean()
+
+
+class _WithTinyUnit(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = make_model(n_blocks=1)
+        self.scale = _Scale()
+
+    def forward(self, idx):
+        return self.scale(self.body(idx))
+
+
+def _tiny_unit_steps(rank, world_size):
+    model = _WithTinyUnit()
+    fully_shard(model.body.layers[0])
+    fully_shard(model.scale)
+    fully_shard(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    loss_fn(model, local_rows(x, rank, world_size), local_rows(y, rank, world_size)).backward()
-    opt.step()
-    return sum(hi - lo for lo, hi in owned), {n: full_tensor(p) for n, p in model.named_parameters()}
+    owned = {}
+    for u in units_of(model):
+        for p in u.sharded_params:
+            lo, hi = shard_info(p).local_range
+            owned[id(p)] = hi - lo
+    scale_owned = owned[id(model.scale.w)]
+    gain_owned = owned[id(model.body.layers[0].gain)]
+    for step in range(2):
+        x, y = batch(step, n=16)  # 2 rows per rank
+        loss_fn(model, local_rows(x, rank, world_size), local_rows(y, rank, world_size)).backward()
+        opt.step()
+        opt.zero_grad()
+    return scale_owned, gain_owned, {n: full_tensor(p) for n, p in model.named_parameters()}
 
 
-def test_rank_that_owns_nothing_takes_part():
-    # 2 params of a 2-element block over 8 ranks: most ranks own nothing of the gain, some own nothing at all.
-    results = run_on_ranks(_owns_nothing, 8)
-    assert min(n for n, _ in results) >= 0
-    first = results[0][1]
-    for _, params in results[1:]:
-        assert max_diff(params, first) == 0
+def _tiny_unit_one_process():
+    model = _WithTinyUnit()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(2):
+        loss_fn(model, *batch(step, n=16)).backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_ranks_that_own_nothing_take_part():
+    # A 3-element unit and a 2-element param over 8 ranks: most ranks own nothing of the unit, most nothing of
+    # the param; every rank still runs the collectives, and the result is the one-process result.
+    results = run_on_ranks(_tiny_unit_steps, 8)
+    scale_owned = [r[0] for r in results]
+    gain_owned = [r[1] for r in results]
+    assert sum(scale_owned) == 3 and scale_owned.count(0) >= 5, scale_owned
+    assert sum(gain_owned) == 2 and gain_owned.count(0) >= 6, gain_owned
+    ref = _tiny_unit_one_process()
+    for _, _, params in results:
+        assert max_diff(params, ref) <= 1e-6
 
 
 def _state_dicts(rank, world_size):
