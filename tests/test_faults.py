@@ -3,7 +3,6 @@ sharded params (skipped on every rank together, or raised), integer/complex/empt
 before fully_shard, ranks that disagree on the param set. docs/faults.md tabulates them."""
 
 import copy
-import inspect
 import os
 import re
 import time
@@ -15,27 +14,12 @@ from torch import nn
 
 from ragged_optim.comm.launch import RankFailure, run_on_ranks
 from ragged_optim.optim import AdamW8bit, Muon, Shampoo
-from ragged_optim.optim.nonfinite import REPLACED_ATTR, guard_step, set_nonfinite_policy
+from ragged_optim.optim.nonfinite import REPLACED_ATTR, set_nonfinite_policy
 from ragged_optim.sharding import fully_shard, shard_info
 from ragged_optim.testing import _set_grads, default_grad
 
 # Import what the optimizers import lazily (torch._dynamo: ~10 s) once here, not in every forked rank.
 _warm = torch.optim.SGD([nn.Parameter(torch.zeros(1))])
-
-
-def guarded(cls):
-    """``cls`` if its step already calls guard_step, else a subclass whose step does (until the lead adds it)."""
-    if "guard_step" in inspect.getsource(cls.step):
-        return cls
-
-    class Guarded(cls):
-        def step(self, closure=None):
-            if guard_step(self):
-                return None
-            return super().step(closure)
-
-    Guarded.__name__ = cls.__name__
-    return Guarded
 
 
 class Net(nn.Module):
@@ -139,12 +123,12 @@ class Three(nn.Module):
 
 def three_opts(model):
     return [
-        guarded(Muon)(
+        Muon(
             [{"params": [model.m.weight], "use_muon": True}, {"params": [model.m.bias], "use_muon": False}],
             ns_dtype=torch.float32,
         ),
-        guarded(Shampoo)(model.s.parameters(), max_preconditioner_dim=3, epsilon=1e-6),
-        guarded(AdamW8bit)(model.q.parameters(), block_size=32, min_8bit_size=64),
+        Shampoo(model.s.parameters(), max_preconditioner_dim=3, epsilon=1e-6),
+        AdamW8bit(model.q.parameters(), block_size=32, min_8bit_size=64),
     ]
 
 
@@ -219,7 +203,7 @@ def test_nonfinite_grad_raises_when_asked():
 
 def test_nonfinite_plain_tensors_no_collective():
     p = nn.Parameter(torch.ones(4, 4))
-    opt = guarded(Muon)([p], ns_dtype=torch.float32)
+    opt = Muon([p], ns_dtype=torch.float32)
     p.grad = torch.full((4, 4), float("nan"))
     with pytest.warns(RuntimeWarning, match=r"skipped.*param_groups\[0\]\['params'\]\[0\] with shape \(4, 4\)"):
         opt.step()
@@ -233,7 +217,7 @@ def test_nonfinite_plain_tensors_no_collective():
 
 def test_integer_param_is_refused():
     ints = nn.Parameter(torch.zeros(3, 3, dtype=torch.int64), requires_grad=False)
-    opt = guarded(Muon)([ints])
+    opt = Muon([ints])
     with pytest.raises(
         TypeError, match=r"param_groups\[0\]\['params'\]\[0\] with shape \(3, 3\) has dtype torch.int64"
     ):
@@ -264,7 +248,7 @@ def built_before_shard(rank, world):
     # mixed: a is sharded before the optimizer is built, b after (b's old params are stale)
     model = Net()
     fully_shard(model.a)
-    opt = muon_for(model, guarded(Muon))
+    opt = muon_for(model, Muon)
     fully_shard(model.b)
     fully_shard(model)
     loss = model(torch.ones(2, 8)).sum()
@@ -276,7 +260,7 @@ def built_before_shard(rank, world):
     # all stale: the optimizer was built on the unsharded model
     model = Net()
     old = model.a.weight
-    opt = muon_for(model, guarded(Muon))
+    opt = muon_for(model, Muon)
     fully_shard(model)
     model(torch.ones(2, 8)).sum().backward()
     out["marked"] = getattr(old, REPLACED_ATTR, None) is not None
@@ -299,9 +283,7 @@ def test_optimizer_built_before_fully_shard():
 def disagreeing_ranks(rank, world):
     model = sharded_net()
     biases = [model.a.bias, model.b.bias] if rank == 0 else [model.a.bias]
-    opt = guarded(Muon)(
-        [{"params": [model.a.weight, model.b.weight], "use_muon": True}, {"params": biases, "use_muon": False}]
-    )
+    opt = Muon([{"params": [model.a.weight, model.b.weight], "use_muon": True}, {"params": biases, "use_muon": False}])
     _set_grads(model, 0, default_grad)
     try:
         opt.step()
