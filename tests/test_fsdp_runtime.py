@@ -1,5 +1,7 @@
 """RaggedShard runtime on real gloo ranks: sharded training equals the one-process run."""
 
+import copy
+
 import pytest
 import torch
 from fsdp_models import batch, local_rows, loss_fn, make_model, shard
@@ -73,9 +75,27 @@ def test_sharded_adamw_equals_single_process(world_size, reshard_after_forward):
     assert max_diff(params, single_run(world_size=world_size)) <= 1e-6
 
 
+def _accumulation_collectives(rank, world_size, accumulate=3):
+    model = shard(make_model(), fully_shard)
+    x, y = batch(0)
+    chunks = list(
+        zip(local_rows(x, rank, world_size).chunk(accumulate), local_rows(y, rank, world_size).chunk(accumulate))
+    )
+    reduce_scatters = []
+    for i, (xs, ys) in enumerate(chunks):
+        model.set_requires_gradient_sync(i == len(chunks) - 1)
+        with count_collectives() as stats:
+            (loss_fn(model, xs, ys) / accumulate).backward()
+        reduce_scatters.append(stats.calls.get("reduce_scatter", 0))
+    return reduce_scatters, len(units_of(model))
+
+
 def test_gradient_accumulation_equals_large_batch():
     params, _ = run_on_ranks(sharded_run, 2, accumulate=3)[0]
     assert max_diff(params, single_run(world_size=2)) <= 1e-6
+    # and the first micro-batches really skip the reduce-scatter: only the last one syncs, once per unit
+    reduce_scatters, n_units = run_on_ranks(_accumulation_collectives, 2)[0]
+    assert reduce_scatters == [0, 0, n_units]
 
 
 def test_clip_grad_norm_is_global():
@@ -233,11 +253,31 @@ def _mixed_precision(rank, world_size):
     return dtypes, grad_dtypes, {n: full_tensor(p) for n, p in model.named_parameters()}
 
 
+def single_run_bf16_compute(steps, world_size):
+    """One process, what MixedPrecisionPolicy(bf16 params, fp32 reduce) does: each rank's rows go through a bf16
+    copy of the fp32 master params; the bf16 grads, cast to fp32, are averaged; AdamW steps the fp32 masters."""
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    for step in range(steps):
+        x, y = batch(step)
+        for rank in range(world_size):
+            low = copy.deepcopy(model).to(torch.bfloat16)
+            loss_fn(low, local_rows(x, rank, world_size), local_rows(y, rank, world_size)).backward()
+            for p, q in zip(model.parameters(), low.parameters()):
+                g = q.grad.float() / world_size
+                p.grad = g if p.grad is None else p.grad + g
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
 def test_mixed_precision_keeps_fp32_master_params():
     dtypes, grad_dtypes, params = run_on_ranks(_mixed_precision, 2)[0]
     assert dtypes == {torch.float32} and grad_dtypes == {torch.float32}
-    ref = single_run(steps=2, world_size=2)
-    assert 0 < max_diff(params, ref) < 5e-3  # bf16 compute differs a little, not a lot
+    ref = single_run_bf16_compute(steps=2, world_size=2)
+    fp32 = single_run(steps=2, world_size=2)
+    assert max_diff(params, ref) <= 1e-6  # measured: 0.0
+    assert max_diff(params, fp32) > 1e-5  # and bf16 compute really ran
 
 
 def _bad_input(rank, world_size):
