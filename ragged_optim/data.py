@@ -1,8 +1,9 @@
 """Byte-level text that every machine has without a download: the Python standard library's own source.
 
-The corpus is the ``.py`` files under ``sysconfig.get_paths()['stdlib']`` (site-packages excluded), read in sorted
-path order and concatenated up to a byte cap; the vocabulary is the 256 byte values, so no vocab file is needed.
-The last ``val_fraction`` of the bytes is the validation split.
+The corpus is the ``.py`` files under ``sysconfig.get_paths()['stdlib']`` (site-packages excluded), read in a fixed
+depth-first order (each folder's files sorted, then its subfolders sorted) and concatenated up to a byte cap; the
+vocabulary is the 256 byte values, so no vocab file is needed. The last ``val_fraction`` of the bytes is the
+validation split.
 
 ``get_batch`` is a pure function of (split, batch_size, seq_len, step, seed): it draws the *global* batch of
 ``batch_size`` windows for that step and returns rank ``rank``'s contiguous slice of ``batch_size // world_size``

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+import sysconfig
 
 import pytest
 import torch
@@ -73,9 +75,37 @@ def test_bad_config_and_preset():
         get_config("huge")
 
 
+def _walk_order(root: str) -> list[str]:
+    """The order stdlib_source_files promises, built without os.walk: a folder's own .py files (sorted), then each
+    subfolder (sorted) depth first; site-packages, dist-packages and __pycache__ are skipped, symlinked folders
+    are not entered."""
+    names = sorted(os.listdir(root))
+    paths = [os.path.join(root, n) for n in names]
+    out = [p for p in paths if p.endswith(".py") and not os.path.isdir(p)]
+    for n, p in zip(names, paths):
+        if os.path.isdir(p) and not os.path.islink(p) and n not in ("site-packages", "dist-packages", "__pycache__"):
+            out += _walk_order(p)
+    return out
+
+
+def test_source_file_order_on_a_known_tree(tmp_path):
+    for rel in ["b.py", "a.py", "notes.txt", "a/f.py", "z/c.py", "m/n/e.py", "m/d.py", "m/g.pyc"]:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("")
+    for skipped in ["site-packages", "dist-packages", "__pycache__", "m/__pycache__"]:
+        (tmp_path / skipped).mkdir(parents=True, exist_ok=True)
+        (tmp_path / skipped / "x.py").write_text("")
+    # files before subfolders: a plain sorted() of the paths would put a/f.py first
+    expected = ["a.py", "b.py", "a/f.py", "m/d.py", "m/n/e.py", "z/c.py"]
+    assert stdlib_source_files(str(tmp_path)) == [str(tmp_path / e) for e in expected]
+
+
 def test_corpus_is_stdlib_bytes():
     files = stdlib_source_files()
-    assert files == sorted(files, key=files.index) and all(f.endswith(".py") for f in files)
+    assert len(files) > 100 and all(f.endswith(".py") and os.path.isfile(f) for f in files)
+    assert len(set(files)) == len(files)
+    assert stdlib_source_files() == files  # the same list on every call: ranks and reruns read the same bytes
+    assert files == _walk_order(sysconfig.get_paths()["stdlib"])
     assert not any("site-packages" in f for f in files)
     corpus = load_corpus()
     assert corpus.train.dtype == torch.uint8 and len(corpus.train) > 1_000_000
