@@ -12,10 +12,23 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.optim._muon import _zeropower_via_newtonschulz as torch_ns
 
-from ragged_optim.kernels.newton_schulz import newton_schulz
+from ragged_optim.kernels.newton_schulz import DEFAULT_NS_STEPS, newton_schulz
 from ragged_optim.optim import BF16_NS_REL_TOL, Muon, muon_param_groups
 
 SHAPES = [(24, 8), (8, 24), (16, 16), (16, 16), (1, 12), (12, 1), (33, 17)]  # tall, wide, square x2, 1xN, Nx1
+
+
+def spy_baddbmm(monkeypatch) -> list[int]:
+    """Record the batch size of every ``torch.baddbmm`` call: only newton_schulz's batched path makes them."""
+    sizes: list[int] = []
+    real = torch.baddbmm
+
+    def spy(input, batch1, batch2, *args, **kwargs):
+        sizes.append(batch1.shape[0])
+        return real(input, batch1, batch2, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "baddbmm", spy)
+    return sizes
 
 
 def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -63,8 +76,14 @@ def test_ns_does_not_modify_input_and_keeps_dtype():
             out = newton_schulz(G, dtype=ns_dtype)
             assert out.dtype == dtype and out.shape == G.shape
             assert torch.equal(G, G0)
-        out2 = newton_schulz(G[0].clone())  # bf16 2-D input: torch's routine would divide it in place; we don't
-        assert out2.shape == (6, 4)
+        # 2-D input already in the compute dtype (bf16 in bf16): torch's routine divides it in place; we must not
+        M = G[0].clone()
+        M0 = M.clone()
+        for ns_dtype in (torch.bfloat16, torch.float32):
+            for matmul in ("native", "upcast"):
+                out2 = newton_schulz(M, dtype=ns_dtype, matmul=matmul)
+                assert out2.dtype == dtype and out2.shape == (6, 4)
+                assert torch.equal(M, M0), (dtype, ns_dtype, matmul)
 
 
 @settings(max_examples=20, deadline=None)
@@ -85,10 +104,13 @@ def test_ns_batched_equals_per_matrix(batch, m, n, fp32, seed):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_ns_batched_matmul_option_close(dtype):
+def test_ns_batched_matmul_option_close(dtype, monkeypatch):
     G = torch.randn(4, 3, 20, 9, generator=torch.Generator().manual_seed(4))
-    a = newton_schulz(G, dtype=dtype, batched_matmul=True)
+    sizes = spy_baddbmm(monkeypatch)
     b = newton_schulz(G, dtype=dtype)
+    assert sizes == []  # default: one matrix at a time (addmm)
+    a = newton_schulz(G, dtype=dtype, batched_matmul=True)
+    assert sizes == [12] * (2 * DEFAULT_NS_STEPS)  # two baddbmm per iteration, each over all 4*3 matrices
     assert rel_diff(a, b) < (BF16_NS_REL_TOL if dtype == torch.bfloat16 else 1e-5)
 
 
@@ -378,11 +400,13 @@ def test_muon_param_groups_head_rules_and_exclude():
         muon_param_groups(odd, exclude=["nope"])
 
 
-def test_seam_one_orthogonalize_call_per_step_and_batched_matmul_option(capsys):
+@pytest.mark.parametrize("batched", [True, False])
+def test_seam_one_orthogonalize_call_per_step_and_batched_matmul_option(batched, capsys, monkeypatch):
     calls = []
+    sizes = spy_baddbmm(monkeypatch)
 
     class Recording(Muon):
-        ns_batched_matmul = True
+        ns_batched_matmul = batched
 
         def _orthogonalize_updates(self, items):
             calls.append([tuple(it.param.shape) for it in items])
@@ -396,7 +420,10 @@ def test_seam_one_orthogonalize_call_per_step_and_batched_matmul_option(capsys):
     theirs = torch.optim.Muon(qs, lr=0.02, weight_decay=0.0)
     run_steps([ours, theirs], [ps, qs], steps=3)
     assert calls == [[tuple(s) for s in SHAPES]] * 3  # all groups in one call per step
+    # Only the two 16x16 params share a shape: with the option on, they go through baddbmm as one batch of 2
+    # (2 calls per NS iteration, 3 steps); every other matrix is alone and takes the 2-D path.
+    assert sizes == ([2] * (2 * DEFAULT_NS_STEPS * 3) if batched else [])
     worst = max(rel_diff(p, q) for p, q in zip(ps, qs))
     with capsys.disabled():
-        print(f"\n[muon vs torch, ns_batched_matmul=True] max rel diff {worst:.3g}")
+        print(f"\n[muon vs torch, ns_batched_matmul={batched}] max rel diff {worst:.3g}")
     assert worst < 1e-3
