@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from ragged_optim.comm.counter import count_collectives
 from ragged_optim.comm.launch import RankFailure, run_on_ranks
 from ragged_optim.optim.adamw8bit import AdamW8bit
 from ragged_optim.sharding import full_tensor, fully_shard, shard_info
@@ -178,6 +179,7 @@ def test_cut_block_raises_clear_error():
 
 
 def _dtensor(rank, world_size, shapes, seed, block_size, qmaps=None):
+    """Returns (full params, full states, DTensor warnings, collective calls per step)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -188,28 +190,15 @@ def _dtensor(rank, world_size, shapes, seed, block_size, qmaps=None):
     opt = (
         make_opt(model.parameters(), block_size) if qmaps is None else make_opt_q(model.parameters(), block_size, qmaps)
     )
-    calls, counts = [0], []
-    real_single, real_a2a = dist.all_to_all_single, dist.all_to_all
-
-    def counting(real):
-        def f(*a, **k):
-            calls[0] += 1
-            return real(*a, **k)
-
-        return f
-
+    counts = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in range(STEPS):
             for p, g in zip(model.ws, grads_for(shapes, step, seed)):
                 p.grad = distribute_tensor(g, p.device_mesh, p.placements)
-            calls[0] = 0
-            dist.all_to_all_single, dist.all_to_all = counting(real_single), counting(real_a2a)
-            try:
+            with count_collectives() as stats:
                 opt.step()
-            finally:
-                dist.all_to_all_single, dist.all_to_all = real_single, real_a2a
-            counts.append(calls[0])
+            counts.append(dict(stats.calls))
     msgs = [str(w.message) for w in caught if issubclass(w.category, UserWarning) and "DTensor" in str(w.message)]
     # every rank's dequantized state, placed at its global elements: a cut block lives on its owner only
     states = []
@@ -256,7 +245,8 @@ def _check_dtensor(shapes, seed, block_size, world_size):
                 assert torch.equal(x.reshape(-1), y.reshape(-1)), s
     for _, _, msgs, counts in results:
         assert msgs == []
-        assert all(c <= 2 for c in counts), counts
+        assert all(c.get("all_to_all", 0) <= 2 for c in counts), counts  # cut blocks: one gather, one scatter
+    return results
 
 
 dtensor_shape_st = st.one_of(
@@ -279,11 +269,25 @@ def test_dtensor_adamw8bit_bitwise_equals_one_process(shapes, world_size, block_
 
 def test_dtensor_cut_chunks_fixed_cases():
     # (9, 10) over 2 ranks: chunks start at 50, inside a 64-block: that block is owner-computed.
-    # (8, 32): chunk starts on block boundaries (no exchange); (37, 29) over 3 and 4 ranks: several cut blocks,
-    # a partial last block; (2, 50) over 4 ranks: empty chunks.
+    # (8, 32): chunks start on block boundaries over 2 and 4 ranks (128, 64 elements), but over 3 ranks chunks of
+    # 3 rows start at 96, inside a block; (37, 29) over 3 and 4 ranks: several cut blocks, a partial last block;
+    # (2, 50) over 4 ranks: empty chunks.
     shapes = [(8, 32), (9, 10), (37, 29), (2, 50), (5,)]
     for world_size in (2, 3, 4):
         _check_dtensor(shapes, 5, 64, world_size)
+
+
+def test_dtensor_all_to_all_only_for_cut_blocks():
+    # Over 2 and 4 ranks every 8-bit param's row chunks start at multiples of 64 elements ((8, 32): 128 / 64,
+    # (6, 64): 192 / 128, (256,): 128 / 64): no block is cut, so the step exchanges nothing.
+    shapes = [(8, 32), (6, 64), (256,), (5,)]
+    for world_size in (2, 4):
+        results = _check_dtensor(shapes, 5, 64, world_size)
+        assert all(c.get("all_to_all", 0) == 0 for r in results for c in r[3]), world_size
+    # Over 3 ranks (8, 32) and (256,) chunks start at 96 and 86 elements, inside blocks: every rank takes part in
+    # one gather and one scatter per step.
+    results = _check_dtensor(shapes, 5, 64, 3)
+    assert all(c.get("all_to_all", 0) == 2 for r in results for c in r[3])
 
 
 def test_dtensor_unfused_qmaps_equal_one_process():

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
+from ragged_optim import plan_cmd
 from ragged_optim.cli import main
+from ragged_optim.sharding.catalog import model_units
+from ragged_optim.sharding.layout import BlockSpec
 
 KEYS = {
     "model",
@@ -31,6 +35,24 @@ def _json(capsys, *argv) -> dict:
     return json.loads(out)
 
 
+def _fsdp2_row_band_padding(model: str, W: int, G: int) -> int:
+    """FSDP2 Shard(0) padding for G-row bands (the default specs), from the rule in plan_cmd's docstring: dim 0 of
+    a matrix padded to a multiple of W * G rows, a 1-D tensor to W runs of G elements, a 3-D expert stack to a
+    multiple of W slices."""
+    pad = 0
+    for unit in model_units(model):
+        for _, shape in unit.params:
+            d0, rest = shape[0], math.prod(shape[1:])
+            if len(shape) == 1:
+                mult = W * min(G, d0)  # a tensor shorter than G is one run
+            elif len(shape) == 2:
+                mult = W * G if G < d0 else W  # G >= rows: one whole-matrix block, Shard(0) pads to W only
+            else:
+                mult = W
+            pad += (-d0 % mult) * rest
+    return pad
+
+
 @pytest.mark.parametrize(
     "model, W, G",
     [("llama3-8b", 8, 1), ("deepseek-v3", 128, 16), ("gpt-oss-20b", 64, 128), ("qwen3-30b-a3b", 3, 16)],
@@ -40,11 +62,16 @@ def test_json_keys_and_sanity(capsys, model, W, G):
     assert set(d) == KEYS
     assert (d["model"], d["world_size"], d["granularity"]) == (model, W, G)
     assert d["total_elements"] > 10**9
-    assert d["padded_elements"] >= 0
+    # Padding fills each unit to W equal shards of a 16-byte multiple (4 fp32 elements).
+    assert (d["total_elements"] + d["padded_elements"]) % (W * 4) == 0
     assert d["padding_ratio"] == pytest.approx(d["padded_elements"] / d["total_elements"])
-    assert 0 <= d["split_bytes_ratio"] < 1 and d["split_blocks"] >= 0
-    assert d["fsdp2_padding_ratio"] >= 0
-    assert d["max_over_mean_load"] >= 1.0
+    # A rank holds at most its shards, so the heaviest rank carries at most mean * (1 + padding).
+    assert 1.0 <= d["max_over_mean_load"] <= 1 + d["padding_ratio"] + 1e-12
+    # Each of a unit's W - 1 shard boundaries cuts at most one block; split bytes exist iff split blocks do.
+    assert d["split_blocks"] <= (W - 1) * len(model_units(model))
+    assert (d["split_blocks"] == 0) == (d["split_bytes_ratio"] == 0) and d["split_bytes_ratio"] < 1
+    fsdp2 = _fsdp2_row_band_padding(model, W, G)
+    assert d["fsdp2_padding_ratio"] == pytest.approx(fsdp2 / d["total_elements"], rel=1e-12, abs=0)
     assert d["owner_compute_max_over_mean"] is None
     assert 0 <= d["plan_seconds"] < 30
 
@@ -64,9 +91,29 @@ def test_muon_owner_compute_and_no_split(capsys):
 
 
 @pytest.mark.parametrize("opt", ["shampoo", "adamw8bit"])
-def test_other_optimizers(capsys, opt):
-    d = _json(capsys, "--model", "llama3-8b", "--world-size", "32", "--granularity", "256", "--optimizer", opt)
-    assert set(d) == KEYS
+def test_other_optimizers(capsys, monkeypatch, opt):
+    seen = set()
+    real = plan_cmd.block_spec
+    monkeypatch.setattr(plan_cmd, "block_spec", lambda n, s, g, o: seen.add(o) or real(n, s, g, o))
+    argv = ("--model", "llama3-8b", "--world-size", "32", "--granularity", "256")
+    d = _json(capsys, *argv, "--optimizer", opt)
+    assert set(d) == KEYS and seen == {opt}  # the flag reaches the block specs
+    base = _json(capsys, *argv)  # no --optimizer: G-row bands
+    drop = {"plan_seconds"}
+    n = 4096 * 4096
+    if opt == "shampoo":
+        # Shampoo asks for the same G-row bands as the default, so the plan is the same.
+        assert real("w", (4096, 4096), 256, opt) == BlockSpec(block=256 * 4096, period=n)
+        assert {k: v for k, v in d.items() if k not in drop} == {k: v for k, v in base.items() if k not in drop}
+    else:
+        # 256-element quantization runs: far finer than 256-row bands of 4096-wide matrices.
+        assert real("w", (4096, 4096), 256, opt) == BlockSpec(block=256, period=n)
+        assert d["padding_ratio"] < 0.001 and base["padding_ratio"] > 0.05
+        assert d["max_over_mean_load"] < base["max_over_mean_load"]
+        # FSDP2 then pads only the 65 RMSNorm weights (4096 elements) to W * 256 elements; every matrix has a
+        # multiple of W rows.
+        assert d["fsdp2_padding_ratio"] == pytest.approx(65 * (32 * 256 - 4096) / d["total_elements"], rel=1e-12)
+        assert base["fsdp2_padding_ratio"] > 0.5
 
 
 def test_table_output(capsys):

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ragged_optim.comm.launch import run_on_ranks
 from ragged_optim.kernels import matrix_root
 from ragged_optim.kernels.matrix_root import eigh_inverse_root, matrix_inverse_root, newton_inverse_root
 from ragged_optim.optim.shampoo import Shampoo
@@ -295,13 +297,32 @@ def test_bad_options(kw, match):
         Shampoo([torch.randn(3, 3, requires_grad=True)], **kw)
 
 
-def test_dtensor_params_are_refused_with_a_pointer():
-    class FakeDTensor(torch.Tensor):
-        placements = ()
+def _construct_on_placements(rank, world_size):
+    """Shampoo's constructor on real DTensors of a 1-rank gloo group; placement -> its ValueError (None: accepted)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-        def to_local(self):
-            return self
+    mesh, mesh_2d = init_device_mesh("cpu", (world_size,)), init_device_mesh("cpu", (world_size, 1))
+    cases = {
+        "Shard(0)": (mesh, [Shard(0)]),
+        "Replicate()": (mesh, [Replicate()]),
+        "Shard(1)": (mesh, [Shard(1)]),
+        "2-D mesh": (mesh_2d, [Shard(0), Replicate()]),
+    }
+    out = {}
+    for name, (m, placements) in cases.items():
+        p = torch.nn.Parameter(distribute_tensor(torch.randn(4, 6), m, placements))
+        try:
+            Shampoo([p])
+            out[name] = None
+        except ValueError as e:
+            out[name] = str(e)
+    return out
 
-    p = torch.randn(3, 3).as_subclass(FakeDTensor)
-    with pytest.raises(ValueError, match=r"DTensor.*ragged_optim.fully_shard"):
-        Shampoo([p])
+
+def test_unsupported_dtensor_placements_are_refused_with_a_pointer():
+    out = run_on_ranks(_construct_on_placements, 1)[0]
+    assert out.pop("Shard(0)") is None  # torch FSDP2's placement is supported
+    for name, err in out.items():
+        assert err is not None, name
+        assert re.search(r"DTensor with placements .*Shard\(0\) on a 1-D mesh.*ragged_optim\.fully_shard", err), err
