@@ -2,8 +2,8 @@
 
 Block specs from ``--optimizer`` and ``--granularity G``:
 
-- default / ``adamw8bit``: runs of G elements of every tensor (8-bit Adam quantization blocks);
-  without ``--optimizer``: bands of G rows for matrices, runs of G elements for 1-D tensors;
+- without ``--optimizer``: bands of G rows for matrices, runs of G elements for 1-D tensors;
+- ``adamw8bit``: runs of G elements of every tensor (8-bit Adam quantization blocks);
 - ``shampoo``: bands of G rows (B x B tiles live inside a band);
 - ``muon``: hidden matrices (ndim >= 2, not an embedding, head or bias) are whole owner-computed matrices,
   everything else runs of G elements.
@@ -12,6 +12,9 @@ Block specs from ``--optimizer`` and ``--granularity G``:
 multiple of ``W * G`` (``torch.chunk`` pads to ``ceil(d0 / W)`` rows per rank, and keeping G-row blocks whole on a
 rank needs a multiple of G rows per rank). For 3-D expert stacks dim 0 is the expert index (every slice is whole
 matrices), so it is padded to a multiple of W; owner-computed (Muon) matrices likewise take only ``Shard(0)`` padding.
+Where one block is a whole tensor (G >= its rows or elements), FSDP2 cannot keep it whole on a rank without
+holding it on every rank: a matrix is then charged only ``Shard(0)`` padding (a multiple of W rows, the lenient
+choice), a 1-D tensor ``W`` times its length (a multiple of ``W * G`` elements, capped at its length).
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ def block_spec(name: str, shape, g: int, optimizer: str | None) -> BlockSpec:
     return BlockSpec.rows(g, shape)
 
 
-def fsdp2_padded(shape, spec: BlockSpec, g: int, world_size: int) -> int:
+def fsdp2_padded(shape, spec: BlockSpec, world_size: int) -> int:
     """Elements FSDP2 Shard(0) would allocate for one parameter under the same block constraint."""
     if not shape:
         return world_size  # a scalar: one element per rank
@@ -108,7 +111,7 @@ def run_plan(args) -> dict:
         dt = time.perf_counter() - t0
         t_plan += dt
         st = layout_stats(layout)
-        f2 = sum(fsdp2_padded(t.shape, t.spec, g, W) - math.prod(t.shape) for t in tensors)
+        f2 = sum(fsdp2_padded(t.shape, t.spec, W) - math.prod(t.shape) for t in tensors)
         total += st["total_elements"]
         padded += st["padded_elements"]
         split_blocks += st["split_blocks"]
