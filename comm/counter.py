@@ -25,9 +25,14 @@ _COUNTED = {
     "all_to_all_single": ("all_to_all", 1),
     "all_reduce": ("all_reduce", 0),
     "broadcast": ("broadcast", 0),
-    "all_gather": ("all_gather", 1),
+    "all_gather": ("all_gather", 0),
+    "all_to_all": ("all_to_all", 1),  # list forms: the input list's bytes
+    "reduce_scatter": ("reduce_scatter", 1),
 }
-_INPUT_NAMES = {0: ("output_tensor", "output", "tensor", "tensor_list"), 1: ("input_tensor", "input", "tensor")}
+_INPUT_NAMES = {
+    0: ("output_tensor", "output", "tensor", "tensor_list"),
+    1: ("input_tensor", "input", "tensor", "input_tensor_list", "input_list"),
+}
 
 
 @dataclass
