@@ -15,7 +15,7 @@ from torch import nn
 from ragged_optim.comm.launch import RankFailure, run_on_ranks
 from ragged_optim.optim import AdamW8bit, Muon, Shampoo
 from ragged_optim.optim.nonfinite import REPLACED_ATTR, set_nonfinite_policy
-from ragged_optim.sharding import fully_shard, shard_info
+from ragged_optim.sharding import full_tensor, fully_shard, shard_info
 from ragged_optim.testing import _set_grads, default_grad
 
 # Import what the optimizers import lazily (torch._dynamo: ~10 s) once here, not in every forked rank.
@@ -275,8 +275,7 @@ def test_optimizer_built_before_fully_shard():
     res = run_on_ranks(built_before_shard, 2)[0]
     assert "b.weight" in res["mixed"] or "with shape (4, 8)" in res["mixed"]
     assert "build the optimizer after fully_shard" in res["mixed"]
-    if not res["marked"]:
-        pytest.skip("fully_shard does not mark the params it replaces yet (one line for the lead: see docs/faults.md)")
+    assert res["marked"]
     assert "'a.weight'" in res["all"] and "replaced by fully_shard" in res["all"]
 
 
@@ -299,3 +298,34 @@ def test_ranks_disagree_on_param_set():
     for m in msgs:
         assert m is not None and "ranks disagree on the optimizer's params" in m
         assert "rank 0 has 4 params, rank 1 has 3" in m
+
+
+def disagreeing_constructions(rank, world):
+    """Ranks that build an optimizer differently fail at construction, before any layout moves."""
+    out = {}
+    builds = {
+        "muon_params": lambda m: Muon([{"params": [m.a.weight, m.b.weight][: 2 - rank], "use_muon": True}]),
+        "adamw8bit_block": lambda m: AdamW8bit(m.parameters(), block_size=64 * (1 + rank), min_8bit_size=16),
+    }
+    for key, build in builds.items():
+        torch.manual_seed(0)
+        model = sharded_net() if key == "muon_params" else fully_shard(nn.Linear(64, 64))
+        before = {n: full_tensor(p).clone() for n, p in model.named_parameters()}
+        try:
+            build(model)
+            out[key] = None
+        except ValueError as e:
+            out[key] = str(e)
+        after = {n: full_tensor(p) for n, p in model.named_parameters()}
+        out[key + "_unchanged"] = all(torch.equal(before[n], after[n]) for n in before)
+    return out
+
+
+def test_ranks_disagree_at_construction():
+    t0 = time.monotonic()
+    results = run_on_ranks(disagreeing_constructions, 2, timeout_s=60)
+    assert time.monotonic() - t0 < 60
+    for res in results:
+        for key in ("muon_params", "adamw8bit_block"):
+            assert res[key] is not None and "ranks build this optimizer over different sharded params" in res[key]
+            assert res[key + "_unchanged"], key

@@ -11,6 +11,8 @@ Elementwise math runs on ``local(p)`` for all three; block math gets whole block
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -78,6 +80,7 @@ def request_block_specs(entries: list[tuple[torch.Tensor, BlockSpec]], *, allow_
             continue
         unit = info.unit
         by_unit.setdefault(id(unit), (unit, {}))[1][info.index] = spec
+    _check_ranks_agree(list(by_unit.values()), allow_split)
     groups: dict = {}
     for unit, specs in by_unit.values():
         unit.relayout(specs, allow_split=allow_split)
@@ -85,6 +88,33 @@ def request_block_specs(entries: list[tuple[torch.Tensor, BlockSpec]], *, allow_
     for units in groups.values():  # owners of all units of a group, balanced together (largest matrix first)
         for unit, layout in zip(units, assign_owners_jointly([u.layout for u in units])):
             unit.layout = layout
+
+
+def _check_ranks_agree(requests: list[tuple], allow_split: bool) -> None:
+    """A relayout is a collective that a rank skips when its specs change nothing, so ranks that build an optimizer
+    over different params or settings would deadlock or mix layouts. One all_reduce per process group compares a
+    digest of every rank's request first, and all ranks raise together on a mismatch."""
+    by_group: dict[int, tuple] = {}
+    for unit, specs in requests:
+        by_group.setdefault(id(unit.group), (unit.group, unit.device, []))[2].append((unit, specs))
+    for group, device, entries in by_group.values():
+        if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+            continue
+        request = sorted(
+            (tuple(unit.names), sorted((i, s.block, s.period, s.owner_computed) for i, s in specs.items()))
+            for unit, specs in entries
+        )
+        digest = int.from_bytes(hashlib.sha256(repr((request, allow_split)).encode()).digest()[:7], "little")
+        both = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+        if both[0].item() != -both[1].item():
+            n = sum(len(specs) for _, specs in entries)
+            names = [unit.names[i] for unit, specs in entries for i in specs][:3]
+            raise ValueError(
+                f"ranks build this optimizer over different sharded params or settings (this rank: {n} params in "
+                f"{len(entries)} units, e.g. {names}); construct every optimizer on every rank with the same params, "
+                "in the same order, with the same hyperparameters"
+            )
 
 
 def lock_layouts(params) -> None:
