@@ -9,7 +9,14 @@ import sys
 _COMMAND_MODULES = ("ragged_optim.train", "ragged_optim.plan_cmd", "ragged_optim.bench")
 
 
-def build_parser() -> argparse.ArgumentParser:
+class UsageError(ValueError):
+    """Bad command-line input found after parsing (a value out of range, options that do not fit together).
+
+    ``main`` turns it into an argparse error of the subcommand: usage, ``ragged-optim CMD: error: ...``, exit 2,
+    no traceback. A ValueError, so API callers (``TrainConfig.validate``) can catch it as before."""
+
+
+def _build() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
     import importlib
 
     parser = argparse.ArgumentParser(prog="ragged-optim", description=__doc__)
@@ -23,9 +30,18 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         if hasattr(module, "add_parser"):  # a package still being written has none yet
             module.add_parser(subparsers)
-    return parser
+    return parser, subparsers
+
+
+def build_parser() -> argparse.ArgumentParser:
+    return _build()[0]
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    return args.func(args)
+    parser, subparsers = _build()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        return args.func(args)
+    except UsageError as e:
+        subparsers.choices[args.command].error(str(e))  # exits 2
+        raise  # unreachable: error() raises SystemExit

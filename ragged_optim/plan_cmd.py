@@ -82,10 +82,27 @@ def _load_units(args):
         if not mod_name or not factory:
             raise ValueError(f"--module must look like pkg.mod:factory, got {args.module!r}")
         import torch
+        import torch.nn as nn
 
         fn = getattr(importlib.import_module(mod_name), factory)
-        with torch.device("meta"):
-            module = fn()
+        if not callable(fn):
+            raise ValueError(
+                f"--module {args.module}: {factory} is a {type(fn).__name__}, not a callable; "
+                "name a function or class that takes no arguments and returns a torch.nn.Module"
+            )
+        try:
+            with torch.device("meta"):
+                module = fn()
+        except Exception as e:  # the user's factory: report it as bad input, not a traceback from our CLI
+            raise ValueError(
+                f"--module {args.module}: calling {factory}() failed with {type(e).__name__}: {e}; "
+                "the factory must take no arguments and build the model"
+            ) from e
+        if not isinstance(module, nn.Module):
+            raise ValueError(
+                f"--module {args.module}: {factory}() returned a {type(module).__name__}, not a torch.nn.Module; "
+                "name a function or class that builds the model"
+            )
         return args.module, units_from_module(module)
     if not args.model:
         raise ValueError(f"pass --model NAME (known models: {', '.join(model_names())}) or --module pkg.mod:factory")
@@ -216,8 +233,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", help=f"catalog model: {', '.join(model_names())}")
-    p.add_argument("--module", help="pkg.mod:factory building an nn.Module (called on the meta device)")
+    # One source of the model: --module silently won over --model before.
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--model", help=f"catalog model: {', '.join(model_names())}")
+    source.add_argument("--module", help="pkg.mod:factory building an nn.Module (called on the meta device)")
     p.add_argument("--world-size", type=int, required=True, help="number of ranks W")
     p.add_argument("--granularity", type=int, default=1, help="G: rows for matrices, elements for 1-D tensors")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default=None, help="block specs as that optimizer needs")

@@ -88,8 +88,7 @@ def main_from_args(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m ragged_optim.train ...``: the `train` subcommand on its own."""
-    parser = argparse.ArgumentParser(prog="ragged-optim")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["train", *(sys.argv[1:] if argv is None else argv)])
-    return args.func(args)
+    """``python -m ragged_optim.train ...``: the `train` subcommand on its own (bad options: an argparse error)."""
+    from ragged_optim.cli import main as cli_main
+
+    return cli_main(["train", *(sys.argv[1:] if argv is None else argv)])

@@ -5,10 +5,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ragged_optim.models import get_config
+from ragged_optim.cli import UsageError
+from ragged_optim.models import PRESETS, get_config
 from ragged_optim.train.optimizers import DEFAULT_OPTIMIZER, OPTIMIZERS
 
 FSDP_KINDS = ("ours", "torch", "none")
+
+
+class ConfigError(UsageError):
+    """A TrainConfig that cannot run; the message names the option and the fix. A ValueError; the CLI prints it
+    as an argparse error (exit 2)."""
 
 
 @dataclass
@@ -34,23 +40,51 @@ class TrainConfig:
     extra: dict = field(default_factory=dict)
 
     def validate(self, world_size: int) -> None:
+        """Check every setting before any rank starts, so bad input fails here, not as a RankFailure later."""
         if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"unknown optimizer {self.optimizer!r}; choose one of {sorted(OPTIMIZERS)}")
+            raise ConfigError(f"unknown optimizer {self.optimizer!r}; choose one of {sorted(OPTIMIZERS)}")
         if self.fsdp not in FSDP_KINDS:
-            raise ValueError(f"--fsdp must be one of {FSDP_KINDS}, got {self.fsdp!r}")
+            raise ConfigError(f"--fsdp must be one of {FSDP_KINDS}, got {self.fsdp!r}")
+        if world_size < 1:
+            raise ConfigError(f"--world-size must be >= 1, got {world_size}")
         if self.fsdp == "none" and world_size != 1:
-            raise ValueError("--fsdp none trains a single unsharded process; pass --world-size 1")
+            raise ConfigError("--fsdp none trains a single unsharded process; pass --world-size 1")
+        if self.preset not in PRESETS:
+            raise ConfigError(f"unknown --preset {self.preset!r}; choose one of: {', '.join(PRESETS)}")
+        if self.seq_len is not None and self.seq_len < 1:
+            raise ConfigError(f"--seq-len must be >= 1, got {self.seq_len} (omit it for the preset's)")
         if self.steps < 1:
-            raise ValueError(f"--steps must be >= 1, got {self.steps}")
+            raise ConfigError(f"--steps must be >= 1, got {self.steps}")
+        if self.batch_size < 1:
+            raise ConfigError(
+                f"--batch-size must be >= 1 (global sequences per step, a multiple of the world size {world_size}), "
+                f"got {self.batch_size}"
+            )
         if self.batch_size % world_size:
-            raise ValueError(
+            raise ConfigError(
                 f"--batch-size {self.batch_size} (global) is not divisible by the world size {world_size}; "
                 f"use a multiple of {world_size}"
             )
+        # `not lr > 0` also catches NaN; an infinite lr would train to NaN.
+        if self.lr is not None and not (math.isfinite(self.lr) and self.lr > 0):
+            default = OPTIMIZERS[self.optimizer].default_lr
+            raise ConfigError(
+                f"--lr must be a finite number > 0, got {self.lr} (omit it for {self.optimizer}'s default {default})"
+            )
+        if self.warmup_steps is not None and self.warmup_steps < 0:
+            raise ConfigError(
+                f"--warmup-steps must be >= 0, got {self.warmup_steps} (omit it for min(20, steps // 10))"
+            )
+        if self.eval_batches < 0:
+            raise ConfigError(f"--eval-batches must be >= 0 (0 skips the validation loss), got {self.eval_batches}")
+        if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
+            raise ConfigError(f"--timeout must be a finite number of seconds > 0, got {self.timeout_s}")
         if self.resume and not self.checkpoint_dir:
-            raise ValueError("--resume needs --checkpoint-dir")
+            raise ConfigError("--resume needs --checkpoint-dir")
         if self.checkpoint_every < 1:
-            raise ValueError(f"--checkpoint-every must be >= 1, got {self.checkpoint_every}")
+            raise ConfigError(f"--checkpoint-every must be >= 1, got {self.checkpoint_every}")
+        if self.keep_checkpoints < 1:  # 0 would delete each checkpoint right after writing it
+            raise ConfigError(f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
 
     def model_config(self):
         overrides = {} if self.seq_len is None else {"seq_len": self.seq_len}

@@ -25,7 +25,7 @@ from ragged_optim.data import get_batch, load_corpus
 from ragged_optim.models import GPT, build_model, num_params
 from ragged_optim.train.accounting import optimizer_state_bytes, param_bytes
 from ragged_optim.train.checkpointing import Checkpointer, latest_checkpoint
-from ragged_optim.train.config import TrainConfig, lr_multiplier
+from ragged_optim.train.config import ConfigError, TrainConfig, lr_multiplier
 from ragged_optim.train.loss_plot import write_loss_png
 from ragged_optim.train.optimizers import OPTIMIZERS, make_optimizer
 from ragged_optim.train.progress import Progress
@@ -81,6 +81,8 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig, device: str | torch
         else:
             meta = ckpt.load(path, model, opt)
             start, losses = meta["step"], list(meta.get("losses", []))
+            if start > cfg.steps:  # every rank loads the same meta, so all raise: no hang
+                raise ConfigError(_past_steps_message(path, start, cfg.steps))
             if rank == 0:
                 print(f"resumed from {path} at step {start}", file=sys.stderr, flush=True)
 
@@ -171,12 +173,50 @@ def _rank_entry(rank: int, world_size: int, cfg: TrainConfig) -> dict | None:
     return train_rank(rank, world_size, cfg, "cpu")
 
 
-def run(cfg: TrainConfig) -> dict:
-    """Launch training (torchrun ranks, forked gloo ranks, or one plain process) and return rank 0's summary."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+def _past_steps_message(path: str, step: int, steps: int) -> str:
+    return (
+        f"--steps {steps} is below the step of the checkpoint to resume ({path} is at step {step}); pass --steps "
+        f"greater than {step} to train further, or a --checkpoint-dir without checkpoints to start over"
+    )
+
+
+def _already_done(cfg: TrainConfig, announce: bool) -> bool:
+    """With --resume: raise if the latest checkpoint is past --steps; True (nothing to train) if it is at --steps.
+    Checked before any rank starts, so a finished run resumed again exits cleanly instead of reporting a run of
+    zero steps."""
+    if not (cfg.resume and cfg.checkpoint_dir):
+        return False
+    path = latest_checkpoint(cfg.checkpoint_dir)
+    if path is None:
+        return False
+    try:
+        with open(os.path.join(path, "meta.json")) as f:
+            step = int(json.load(f)["step"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"--resume: cannot read the step of {path}/meta.json ({e}); remove that folder") from e
+    if step > cfg.steps:
+        raise ConfigError(_past_steps_message(path, step, cfg.steps))
+    if step == cfg.steps:
+        if announce:
+            print(
+                f"nothing to train: the checkpoint to resume ({path}) is already at --steps {cfg.steps}; no summary "
+                f"written. Pass --steps greater than {step} to train further.",
+                file=sys.stderr,
+            )
+        return True
+    return False
+
+
+def run(cfg: TrainConfig) -> dict | None:
+    """Launch training (torchrun ranks, forked gloo ranks, or one plain process) and return rank 0's summary
+    (None on other torchrun ranks, and when --resume finds the run already at --steps)."""
+    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    world_size = int(os.environ["WORLD_SIZE"]) if torchrun else cfg.world_size
+    cfg.validate(world_size)  # in the parent: bad input is an error here, not a traceback from every rank
+    if _already_done(cfg, announce=not torchrun or os.environ["RANK"] == "0"):
+        return None
+    if torchrun:
         return _run_torchrun(cfg)
-    world_size = 1 if cfg.fsdp == "none" and cfg.world_size == 1 else cfg.world_size
-    cfg.validate(world_size)
     load_corpus()  # read once here; forked ranks inherit it
     if cfg.fsdp == "none":
         return train_rank(0, 1, cfg, "cpu")
@@ -205,17 +245,35 @@ def _run_torchrun(cfg: TrainConfig) -> dict | None:
 
 
 def format_summary(s: dict) -> str:
+    """The summary as a few lines of text; a missing or None value (no steps run, no evaluation) is said in words,
+    never formatted as a number."""
+
+    def num(key: str, spec: str = ".4f") -> str:
+        v = s.get(key)
+        return "n/a" if v is None else format(v, spec)
+
     def mib(b: float) -> str:
         return f"{b / 2**20:.2f} MiB"
 
+    start, steps = s.get("start_step", 0), s.get("steps")
+    trained = steps is None or start < steps
+    val = "skipped (--eval-batches 0)" if s.get("val_loss") is None else num("val_loss")
     lines = [
-        f"trained {s['preset']} ({s['n_params']:,} params) with {s['optimizer']}, fsdp {s['fsdp']}, "
-        f"{s['world_size']} rank(s), steps {s['start_step']}..{s['steps']}",
-        f"  train loss {s['initial_train_loss']:.4f} -> {s['final_train_loss']:.4f} "
-        f"(last-10 mean {s['final_train_loss_avg10']:.4f}), val loss {s['val_loss']:.4f}",
-        f"  {s['tokens_per_s']:,.0f} tokens/s over {s['train_time_s']:.1f} s",
-        f"  per step per rank: {s['collectives_per_step']:.1f} collectives, {mib(s['comm_bytes_per_step'])}",
-        f"  per rank: params {', '.join(mib(b) for b in s['param_bytes_per_rank'])}; "
-        f"optimizer state {', '.join(mib(b) for b in s['optimizer_state_bytes_per_rank'])}",
+        f"trained {s.get('preset')} ({num('n_params', ',')} params) with {s.get('optimizer')}, fsdp {s.get('fsdp')}, "
+        f"{s.get('world_size')} rank(s), steps {start}..{steps}",
+        f"  train loss {num('initial_train_loss')} -> {num('final_train_loss')} "
+        f"(last-10 mean {num('final_train_loss_avg10')}), val loss {val}",
     ]
+    if trained and s.get("tokens_per_s") is not None:
+        lines += [
+            f"  {num('tokens_per_s', ',.0f')} tokens/s over {num('train_time_s', '.1f')} s",
+            f"  per step per rank: {num('collectives_per_step', '.1f')} collectives, "
+            f"{mib(s.get('comm_bytes_per_step') or 0)}",
+        ]
+    else:
+        lines.append("  no training steps run" + (f" (resumed at step {start})" if start else ""))
+    params, state = s.get("param_bytes_per_rank"), s.get("optimizer_state_bytes_per_rank")
+    if params and state:
+        per_rank = f"params {', '.join(mib(b) for b in params)}; optimizer state {', '.join(mib(b) for b in state)}"
+        lines.append(f"  per rank: {per_rank}")
     return "\n".join(lines)
