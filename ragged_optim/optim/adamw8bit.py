@@ -46,7 +46,7 @@ from ragged_optim.kernels import (
 from ragged_optim.kernels.adamw8bit_ref import ieee_sqrt_
 from ragged_optim.optim.base import full_shape, is_dtensor, local, process_group, request_block_specs, scalar
 from ragged_optim.optim.muon import adamw_update_
-from ragged_optim.optim.optimizer import RaggedOptimizer
+from ragged_optim.optim.optimizer import RaggedOptimizer, check_real, check_reals
 from ragged_optim.sharding import BlockSpec, shard_info
 from ragged_optim.sharding.owner_routes import balanced_owners, blocks_over_ranges, dtensor_local_ranges
 
@@ -93,12 +93,12 @@ class AdamW8bit(RaggedOptimizer):
     ) -> None:
         defaults = dict(
             lr=lr,
-            betas=tuple(betas),
+            betas=betas,
             eps=eps,
             weight_decay=weight_decay,
             block_size=block_size,
             min_8bit_size=min_8bit_size,
-            qmaps=tuple(qmaps),
+            qmaps=qmaps,
         )
         self._validate_group(defaults)
         super().__init__(params, defaults)
@@ -119,38 +119,41 @@ class AdamW8bit(RaggedOptimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
-            group["betas"] = tuple(group["betas"])
-            group["qmaps"] = tuple(group["qmaps"])
             self._validate_group(group)
             gi = len(self.param_groups) - 1
             for i, p in enumerate(group["params"]):
                 self._check_param(gi, i, p, group)
-        except ValueError:
+        except (ValueError, TypeError):
             self.param_groups.pop()
             raise
 
     @staticmethod
     def _validate_group(g: dict[str, Any]) -> None:
-        lr = scalar(g["lr"])
+        """Check a group's values (types, then ranges); betas and qmaps become tuples in place."""
+        lr = check_real("lr", g["lr"], tensor=True)
         if not lr >= 0.0:
             raise ValueError(f"lr must be >= 0, got {lr}")
-        if not g["eps"] >= 0.0:
-            raise ValueError(f"eps must be >= 0, got {g['eps']}")
-        if not g["weight_decay"] >= 0.0:
-            raise ValueError(f"weight_decay must be >= 0, got {g['weight_decay']}")
-        b1, b2 = g["betas"]
+        for k in ("eps", "weight_decay"):
+            if not check_real(k, g[k]) >= 0.0:
+                raise ValueError(f"{k} must be >= 0, got {g[k]}")
+        b1, b2 = g["betas"] = check_reals("betas", g["betas"], "(beta1, beta2)")
         if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
             raise ValueError(f"betas must be in [0, 1), got {g['betas']}")
         bs = g["block_size"]
         if not isinstance(bs, int) or isinstance(bs, bool) or bs < 1:
             raise ValueError(f"block_size must be a positive int, got {bs!r}")
-        if not isinstance(g["min_8bit_size"], int) or g["min_8bit_size"] < 0:
+        if not isinstance(g["min_8bit_size"], int) or isinstance(g["min_8bit_size"], bool) or g["min_8bit_size"] < 0:
             raise ValueError(f"min_8bit_size must be an int >= 0, got {g['min_8bit_size']!r}")
         qm = g["qmaps"]
-        if len(qm) != 2 or any(f not in FORMATS for f in qm):
+        if isinstance(qm, list | tuple):
+            qm = g["qmaps"] = tuple(qm)
+        if not isinstance(qm, tuple) or len(qm) != 2 or any(f not in FORMATS for f in qm):
             raise ValueError(f"qmaps must be (m format, v format) with formats from {FORMATS}, got {qm!r}")
         if qm[0] == "dynamic_unsigned":
             raise ValueError("qmaps[0] (the first moment, signed) cannot be 'dynamic_unsigned'")
+
+    def _state_keys(self, group: dict[str, Any], p: Tensor) -> tuple[str, ...]:
+        return ("step", *STATE_KEYS_8BIT) if self._is_8bit(p, group) else ("step", "exp_avg", "exp_avg_sq")
 
     @staticmethod
     def _numel(p: Tensor) -> int:
@@ -297,9 +300,7 @@ class AdamW8bit(RaggedOptimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # torch.optim.Optimizer casts every state tensor to its param's dtype (uint8 codes would become fp32):
         # load the 8-bit entries ourselves, keeping their dtype.
-        from ragged_optim.checkpoint import check_optimizer_state_dict
-
-        check_optimizer_state_dict(self, state_dict)
+        self._check_state_dict(state_dict)
         plain = dict(state_dict)
         plain["state"], codes = {}, {}
         for k, v in state_dict["state"].items():

@@ -42,7 +42,7 @@ from ragged_optim.optim.base import (
     request_block_specs,
     scalar,
 )
-from ragged_optim.optim.optimizer import RaggedOptimizer
+from ragged_optim.optim.optimizer import RaggedOptimizer, check_bool, check_real, check_reals
 from ragged_optim.sharding import BlockSpec
 
 __all__ = ["Muon", "MuonItem", "adamw_update_", "adjust_lr", "BF16_NS_REL_TOL"]
@@ -58,8 +58,11 @@ BF16_NS_REL_TOL = 5e-2
 _ADJUST_LR_MODES = ("original", "match_rms_adamw")
 # Group keys that only mean something for one kind of group; the other kind's groups do not keep them.
 _MUON_ONLY_KEYS = ("momentum", "nesterov", "ns_steps", "ns_coefficients", "adjust_lr", "ns_dtype")
-_ADAMW_PREFIXED = ("adamw_lr", "adamw_betas", "adamw_eps", "adamw_weight_decay")
 _ADAMW_ONLY_KEYS = ("betas",)
+#: The hyperparameter keys of a Muon group (``use_muon=True``), and of an AdamW one.
+MUON_GROUP_KEYS = ("lr", "eps", "weight_decay", *_MUON_ONLY_KEYS)
+ADAMW_GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")
+_ADAMW_PREFIXED = tuple(f"adamw_{k}" for k in ADAMW_GROUP_KEYS)  # the constructor's defaults for AdamW groups
 
 
 class MuonItem(NamedTuple):
@@ -188,15 +191,18 @@ class Muon(RaggedOptimizer):
             nesterov=nesterov,
             weight_decay=weight_decay,
             ns_steps=ns_steps,
-            ns_coefficients=tuple(ns_coefficients),
+            ns_coefficients=ns_coefficients,
             eps=eps,
             adjust_lr=adjust_lr,
             ns_dtype=ns_dtype,
             adamw_lr=adamw_lr,
-            adamw_betas=tuple(adamw_betas),
+            adamw_betas=adamw_betas,
             adamw_eps=adamw_eps,
             adamw_weight_decay=adamw_weight_decay,
         )
+        # Check every constructor value now, the AdamW ones too (no group may use them yet).
+        self._validate_group(dict(defaults, use_muon=True))
+        self._validate_group({"use_muon": False, **{k: defaults[f"adamw_{k}"] for k in ADAMW_GROUP_KEYS}})
         if not (wire_dtype is None or isinstance(wire_dtype, torch.dtype) or wire_dtype in ("int8", "fp8_e4m3")):
             raise ValueError(f"wire_dtype must be None, a torch.dtype, 'int8' or 'fp8_e4m3', got {wire_dtype!r}")
         if ns_matmul not in NS_MATMUL_MODES:
@@ -233,6 +239,8 @@ class Muon(RaggedOptimizer):
         else:
             entries = list(entries)
         use_muon = param_group.get("use_muon")
+        if use_muon is not None and not isinstance(use_muon, bool):  # bool("false") is True
+            raise TypeError(f"use_muon must be True, False or None (split by shape), got {use_muon!r}")
         if use_muon is None:
             self._split_by_shape = True
             tensor = lambda e: e[1] if isinstance(e, tuple) else e
@@ -244,7 +252,7 @@ class Muon(RaggedOptimizer):
             if others or not matrices:
                 self._add_group(param_group, others, use_muon=False, split=True)
         else:
-            self._add_group(param_group, entries, use_muon=bool(use_muon), split=False)
+            self._add_group(param_group, entries, use_muon=use_muon, split=False)
 
     def _add_group(self, user: dict[str, Any], entries: list, *, use_muon: bool, split: bool) -> None:
         d = self.defaults
@@ -255,17 +263,13 @@ class Muon(RaggedOptimizer):
             if k not in known:
                 group[k] = v
         if use_muon:
-            for k in ("lr", "eps", "weight_decay", *_MUON_ONLY_KEYS):
+            for k in MUON_GROUP_KEYS:
                 group[k] = user.get(k, d[k])
-            if group["adjust_lr"] is None:
-                group["adjust_lr"] = "original"
-            group["ns_coefficients"] = tuple(group["ns_coefficients"])
         else:
             for short, long in (("lr", "adamw_lr"), ("betas", "adamw_betas"), ("eps", "adamw_eps")):
                 group[short] = user.get(long, d[long]) if split else user.get(short, user.get(long, d[long]))
             wd = "adamw_weight_decay"
             group["weight_decay"] = user.get(wd, d[wd]) if split else user.get("weight_decay", user.get(wd, d[wd]))
-            group["betas"] = tuple(group["betas"])
         self._validate_group(group)
         super().add_param_group(group)
         group = self.param_groups[-1]
@@ -281,28 +285,39 @@ class Muon(RaggedOptimizer):
 
     @staticmethod
     def _validate_group(g: dict[str, Any]) -> None:
-        lr = scalar(g["lr"])
+        """Check a group's values (types, then ranges); normalize in place: tuples, ``adjust_lr=None``."""
+        # An AdamW group's values come from adamw_* keys as well: name both in its errors.
+        adamw = not check_bool("use_muon", g["use_muon"])
+        name = lambda k: f"AdamW {k} (adamw_{k}, or {k} of a use_muon=False group)" if adamw else k
+        lr = check_real(name("lr"), g["lr"], tensor=True)
         if not lr >= 0.0:
-            raise ValueError(f"lr must be >= 0, got {lr}")
-        if not g["weight_decay"] >= 0.0:
-            raise ValueError(f"weight_decay must be >= 0, got {g['weight_decay']}")
-        if not g["eps"] >= 0.0:
-            raise ValueError(f"eps must be >= 0, got {g['eps']}")
+            raise ValueError(f"{name('lr')} must be >= 0, got {lr}")
+        for k in ("weight_decay", "eps"):
+            if not check_real(name(k), g[k]) >= 0.0:
+                raise ValueError(f"{name(k)} must be >= 0, got {g[k]}")
         if g["use_muon"]:
-            if not 0.0 <= g["momentum"] < 1.0:
+            if not 0.0 <= check_real("momentum", g["momentum"]) < 1.0:
                 raise ValueError(f"momentum must be in [0, 1), got {g['momentum']}")
+            check_bool("nesterov", g["nesterov"])
+            if g["adjust_lr"] is None:
+                g["adjust_lr"] = "original"
             if g["adjust_lr"] not in _ADJUST_LR_MODES:
                 raise ValueError(f"adjust_lr must be one of {_ADJUST_LR_MODES} or None, got {g['adjust_lr']!r}")
-            if not isinstance(g["ns_steps"], int) or not 0 <= g["ns_steps"] < 100:
+            if not isinstance(g["ns_steps"], int) or isinstance(g["ns_steps"], bool) or not 0 <= g["ns_steps"] < 100:
                 raise ValueError(f"ns_steps must be an int in [0, 100), got {g['ns_steps']!r}")
-            if len(g["ns_coefficients"]) != 3:
-                raise ValueError(f"ns_coefficients must be (a, b, c), got {g['ns_coefficients']!r}")
+            g["ns_coefficients"] = check_reals("ns_coefficients", g["ns_coefficients"], "(a, b, c)")
             if not (isinstance(g["ns_dtype"], torch.dtype) and g["ns_dtype"].is_floating_point):
                 raise ValueError(f"ns_dtype must be a floating torch.dtype (bfloat16 or float32), got {g['ns_dtype']}")
         else:
-            b1, b2 = g["betas"]
+            b1, b2 = g["betas"] = check_reals(name("betas"), g["betas"], "(beta1, beta2)")
             if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
                 raise ValueError(f"AdamW betas must be in [0, 1), got {g['betas']}")
+
+    def _group_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
+        return ("use_muon", *(MUON_GROUP_KEYS if group.get("use_muon") else ADAMW_GROUP_KEYS))
+
+    def _state_keys(self, group: dict[str, Any], p: Tensor) -> tuple[str, ...]:
+        return ("momentum_buffer",) if group["use_muon"] else ("step", "exp_avg", "exp_avg_sq")
 
     def _check_params(self, gi: int, group: dict[str, Any], *, explicit: bool) -> None:
         for i, p in enumerate(group["params"]):

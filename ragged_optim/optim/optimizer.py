@@ -1,11 +1,52 @@
-"""The base class of our optimizers: the step prologue they share and state loading that checks its input."""
+"""The base class of our optimizers: the step prologue they share, hyperparameter type checks, and state loading
+that checks its input."""
 
 from __future__ import annotations
+
+import numbers
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
 from ragged_optim.optim.base import full_shape, lock_layouts
 from ragged_optim.optim.nonfinite import guard_step
+
+
+def _shown(value: Any) -> str:
+    return f"{value!r} of type {type(value).__name__}"
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)  # a bool is a typo here, not a number
+
+
+def check_real(name: str, value: Any, *, tensor: bool = False) -> float:
+    """``value`` as a float (for range checks), or a TypeError naming ``name``, the value and what is expected.
+    With ``tensor``, a real 1-element tensor passes too (torch.optim allows a tensor lr)."""
+    if tensor and isinstance(value, torch.Tensor) and value.numel() == 1:
+        if not (value.is_complex() or value.dtype == torch.bool):
+            return value.item()
+    if _is_real(value):
+        return float(value)
+    expected = "a real number (int or float)" + (" or a 1-element tensor" if tensor else "")
+    raise TypeError(f"{name} must be {expected}, got {_shown(value)}")
+
+
+def check_reals(name: str, value: Any, form: str) -> tuple:
+    """``value``, a list or tuple of as many real numbers as ``form`` (e.g. ``"(beta1, beta2)"``) names, as a tuple;
+    else a TypeError naming ``name``, the value and the expected form."""
+    n = form.count(",") + 1
+    if isinstance(value, list | tuple) and len(value) == n and all(_is_real(v) for v in value):
+        return tuple(value)
+    raise TypeError(f"{name} must be {form}, a tuple of {n} real numbers, got {_shown(value)}")
+
+
+def check_bool(name: str, value: Any) -> bool:
+    """A flag must be a bool: ``bool("false")`` is True, so a string would silently mean the opposite."""
+    if isinstance(value, bool):
+        return value
+    raise TypeError(f"{name} must be True or False, got {_shown(value)}")
 
 
 class RaggedOptimizer(torch.optim.Optimizer):
@@ -42,9 +83,58 @@ class RaggedOptimizer(torch.optim.Optimizer):
             )
         return grad
 
-    def load_state_dict(self, state_dict) -> None:
-        """torch's loader checks only group sizes; first make sure the state was saved for these params."""
+    # ------------------------------------------------------------------ what a loaded state dict must carry
+
+    @staticmethod
+    def _validate_group(group: dict[str, Any]) -> None:
+        """Check (and normalize in place) a group's hyperparameters; subclasses raise TypeError/ValueError."""
+
+    def _group_keys(self, group: dict[str, Any]) -> Iterable[str]:
+        """The hyperparameter keys ``step`` reads from ``group`` (a saved group, in load_state_dict)."""
+        return self.defaults.keys()
+
+    def _state_keys(self, group: dict[str, Any], p: torch.Tensor) -> Iterable[str]:
+        """The keys ``step`` reads from the non-empty state of ``p`` in ``group``."""
+        return ()
+
+    def _check_state_dict(self, state_dict: Any) -> None:
+        """Everything load_state_dict checks before it changes anything. torch's loader checks only group sizes,
+        so a state dict of another optimizer class used to load and then fail deep inside ``step``."""
         from ragged_optim.checkpoint import check_optimizer_state_dict
 
+        where = f"{type(self).__name__}.load_state_dict"
+        if not (
+            isinstance(state_dict, dict)
+            and isinstance(state_dict.get("state"), dict)
+            and isinstance(state_dict.get("param_groups"), list)
+        ):
+            raise TypeError(f"{where}: expected a dict with 'state' and 'param_groups' (from state_dict())")
+        saved = state_dict["param_groups"]
+        for gi, g in enumerate(saved):
+            missing = [k for k in self._group_keys(g) if k not in g]
+            if missing:
+                raise ValueError(
+                    f"{where}: saved param_groups[{gi}] lacks the hyperparameter(s) {missing} that "
+                    f"{type(self).__name__} needs: a state dict saved by another optimizer class? Load it into "
+                    "an optimizer of the class that saved it"
+                )
+            try:
+                self._validate_group(dict(g))  # a copy: nothing may change before every check has passed
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"{where}: saved param_groups[{gi}]: {e}") from e
         check_optimizer_state_dict(self, state_dict)
+        for gi, (g, group) in enumerate(zip(saved, self.param_groups)):
+            for i, (key, p) in enumerate(zip(g["params"], group["params"])):
+                st = state_dict["state"].get(key)
+                missing = [k for k in self._state_keys(g, p) if k not in st] if st else []
+                if missing:
+                    raise ValueError(
+                        f"{where}: the saved state of {self._param_label(gi, i)} lacks {missing} (it has "
+                        f"{sorted(st)}): a state dict saved by another optimizer class, or with other param groups?"
+                    )
+
+    def load_state_dict(self, state_dict) -> None:
+        """torch's loader checks only group sizes; first make sure the state was saved for these params and by
+        this optimizer class (:meth:`_check_state_dict`), so that a failed load changes nothing."""
+        self._check_state_dict(state_dict)
         super().load_state_dict(state_dict)

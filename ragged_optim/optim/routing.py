@@ -8,22 +8,39 @@ puts embeddings and the head on Muon: use :func:`muon_param_groups` to route by 
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Iterable
 from typing import Any
 
 from torch import Tensor, nn
 
 from ragged_optim.optim.base import full_shape  # sharded params are 1-D views: route by full shape
+from ragged_optim.optim.muon import ADAMW_GROUP_KEYS, MUON_GROUP_KEYS
 
 __all__ = ["HEAD_NAMES", "muon_param_groups"]
 
 #: Last components of module names that mark an ``nn.Linear`` as an output head.
 HEAD_NAMES = ("lm_head", "output", "head", "classifier")
+_OVERRIDE_KEYS = (*MUON_GROUP_KEYS, *(f"adamw_{k}" for k in ADAMW_GROUP_KEYS))
+
+
+def _check_overrides(overrides: dict[str, Any]) -> None:
+    """A misspelt key would only become an unused group tag, and the default would apply silently."""
+    unknown = [k for k in overrides if k not in _OVERRIDE_KEYS]
+    if unknown:
+        close = {k: difflib.get_close_matches(k, _OVERRIDE_KEYS, 1) for k in unknown}
+        hints = ", ".join(f"{m[0]!r} for {k!r}" for k, m in close.items() if m)
+        raise ValueError(
+            f"muon_param_groups: unknown override(s) {unknown}{f' (did you mean {hints}?)' if hints else ''}; "
+            f"accepted: {list(_OVERRIDE_KEYS)}. To tag the groups with keys of your own, set them on the returned dicts"
+        )
 
 
 def _module_ids(model: nn.Module, exclude: Iterable[str | Tensor | nn.Module]) -> set[int]:
     modules = dict(model.named_modules())
     params = dict(model.named_parameters(remove_duplicate=False))
+    if isinstance(exclude, str | Tensor | nn.Module):  # one item, not an iterable of them (chars, rows)
+        exclude = [exclude]
     ids: set[int] = set()
     for item in exclude:
         if isinstance(item, nn.Module):
@@ -63,7 +80,8 @@ def muon_param_groups(
           ``num_embeddings`` of an embedding in the model (an untied LM head under another name);
 
        (a head's bias is 1-D and so AdamW by rule 1);
-    4. it is in ``exclude``: param names, module names (all of that module's params), tensors or modules.
+    4. it is in ``exclude``: param names, module names (all of that module's params), tensors or modules; a
+       single name, tensor or module may be given alone (``exclude="lm_head"``).
 
     Every param appears once, in ``model.named_parameters()`` order (tied weights are deduplicated). Frozen
     params (``requires_grad=False``) are included, as ``model.parameters()`` would.
@@ -71,11 +89,14 @@ def muon_param_groups(
     ``overrides`` set group hyperparameters: keys starting with ``adamw_`` go to the AdamW group with the prefix
     removed (``adamw_lr=3e-4`` -> ``lr``, ``adamw_betas``, ``adamw_eps``, ``adamw_weight_decay``); all other
     keys go to the Muon group (``lr``, ``weight_decay``, ``momentum``, ``adjust_lr``, ...). Keys not given fall
-    back to the ``Muon(...)`` constructor's arguments. Empty groups are left out.
+    back to the ``Muon(...)`` constructor's arguments. Any other key is a ValueError (a misspelt key would
+    otherwise be ignored); to tag the groups with keys of your own, set them on the returned dicts. Empty groups
+    are left out.
 
     Returns:
         ``[{"params": [...], "use_muon": True, ...}, {"params": [...], "use_muon": False, ...}]``.
     """
+    _check_overrides(overrides)
     excluded = _module_ids(model, exclude)
     embedding_weights: set[int] = set()
     vocab_sizes: set[int] = set()

@@ -59,7 +59,7 @@ from ragged_optim.optim.base import (
     request_block_specs,
     scalar,
 )
-from ragged_optim.optim.optimizer import RaggedOptimizer
+from ragged_optim.optim.optimizer import RaggedOptimizer, check_real, check_reals
 from ragged_optim.sharding import BlockSpec, shard_info
 
 __all__ = ["Shampoo", "GRAFTING_METHODS", "shampoo_band_spec", "matrix_view_shape"]
@@ -241,7 +241,7 @@ class Shampoo(RaggedOptimizer):
     ) -> None:
         defaults = dict(
             lr=lr,
-            betas=tuple(betas),
+            betas=betas,
             epsilon=epsilon,
             weight_decay=weight_decay,
             max_preconditioner_dim=max_preconditioner_dim,
@@ -279,21 +279,22 @@ class Shampoo(RaggedOptimizer):
 
     @staticmethod
     def _validate_group(g: dict[str, Any]) -> None:
-        if not scalar(g["lr"]) >= 0.0:
+        if not check_real("lr", g["lr"], tensor=True) >= 0.0:
             raise ValueError(f"lr must be >= 0, got {g['lr']}")
-        g["betas"] = tuple(g["betas"])
-        b1, b2 = g["betas"]
+        b1, b2 = g["betas"] = check_reals("betas", g["betas"], "(beta1, beta2)")
         if not (0.0 <= b1 < 1.0 and 0.0 < b2 <= 1.0):
             raise ValueError(f"betas must satisfy 0 <= beta1 < 1 and 0 < beta2 <= 1, got {g['betas']}")
+        for k in ("epsilon", "weight_decay", "grafting_beta2", "grafting_epsilon"):
+            check_real(k, g[k])
         if not g["epsilon"] > 0.0:
             raise ValueError(f"epsilon must be > 0 (it keeps the inverse roots finite), got {g['epsilon']}")
         if not g["weight_decay"] >= 0.0:
             raise ValueError(f"weight_decay must be >= 0, got {g['weight_decay']}")
         B = g["max_preconditioner_dim"]
-        if not isinstance(B, int) or B < 1:
+        if not isinstance(B, int) or isinstance(B, bool) or B < 1:
             raise ValueError(f"max_preconditioner_dim must be an int >= 1, got {B!r}")
         f = g["precondition_frequency"]
-        if not isinstance(f, int) or f < 1:
+        if not isinstance(f, int) or isinstance(f, bool) or f < 1:
             raise ValueError(f"precondition_frequency must be an int >= 1, got {f!r}")
         if g["start_preconditioning_step"] is None:
             g["start_preconditioning_step"] = f
@@ -312,7 +313,7 @@ class Shampoo(RaggedOptimizer):
         if g["root_inverse"] not in ROOT_INVERSE_METHODS:
             raise ValueError(f"root_inverse must be one of {ROOT_INVERSE_METHODS}, got {g['root_inverse']!r}")
         e = g["exponent_override"]
-        if e is not None and not (isinstance(e, int | float) and e > 0):
+        if e is not None and not (isinstance(e, int | float) and not isinstance(e, bool) and e > 0):
             raise ValueError(f"exponent_override must be None or a number > 0, got {e!r}")
         if g["root_inverse"] == "newton":
             for alpha in (e,) if e is not None else (0.25, 0.5):
@@ -321,6 +322,9 @@ class Shampoo(RaggedOptimizer):
                         f"root_inverse='newton' computes A^(-1/p) for an integer p; exponent {alpha} is not 1/p: "
                         "use root_inverse='eigh' for it"
                     )
+
+    def _state_keys(self, group: dict[str, Any], p: Tensor) -> tuple[str, ...]:
+        return ("step",)  # momentum, bands and grafting state are created when missing
 
     def _check_params(self, gi: int, group: dict[str, Any]) -> None:
         for i, p in enumerate(group["params"]):

@@ -1,0 +1,176 @@
+"""Misuse of the optimizers' own API gets a clear exception naming the argument and the fix, before anything changes:
+another class's state dict, wrong-type hyperparameters, misspelt muon_param_groups overrides (one process, CPU)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from ragged_optim.optim import AdamW8bit, Muon, Shampoo, muon_param_groups
+
+
+def _stepped(cls, shape=(4, 6), seed=0, **kw):
+    """An optimizer of ``cls`` over one fresh param of ``shape``, after one step."""
+    g = torch.Generator().manual_seed(seed)
+    p = torch.randn(shape, generator=g).requires_grad_()
+    opt = cls([p], **kw)
+    p.grad = torch.randn(shape, generator=g)
+    opt.step()
+    return opt
+
+
+def _same(a, b) -> bool:
+    """Deep equality of two state dicts (tensors by value)."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+# --------------------------------------------------------------------------- 1. load_state_dict of another class
+
+CROSS = [
+    (Muon, Shampoo, "max_preconditioner_dim"),
+    (AdamW8bit, Muon, "use_muon"),
+    (Shampoo, AdamW8bit, "block_size"),
+    (Muon, AdamW8bit, "block_size"),
+    (Shampoo, Muon, "use_muon"),
+]
+
+
+@pytest.mark.parametrize("src,dst,key", CROSS, ids=lambda x: getattr(x, "__name__", x))
+def test_state_dict_of_another_class_is_refused_and_changes_nothing(src, dst, key):
+    saved = copy.deepcopy(_stepped(src).state_dict())
+    opt = _stepped(dst, seed=1)
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match=rf"param_groups\[0\] lacks .*'{key}'.*another optimizer class"):
+        opt.load_state_dict(saved)
+    assert _same(opt.state_dict(), before)
+    p = opt.param_groups[0]["params"][0]
+    p.grad = torch.ones_like(p)
+    opt.step()  # still usable
+
+
+def test_state_missing_a_key_the_step_reads_is_refused_and_changes_nothing():
+    saved = copy.deepcopy(_stepped(Muon).state_dict())
+    saved["state"][0] = {"exp_avg": saved["state"][0]["momentum_buffer"]}  # a Muon param with AdamW state
+    opt = _stepped(Muon, seed=1)
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match=r"state of param_groups\[0\]\['params'\]\[0\].*lacks \['momentum_buffer'\]"):
+        opt.load_state_dict(saved)
+    assert _same(opt.state_dict(), before)
+
+
+def test_saved_group_with_a_bad_value_is_refused():
+    saved = copy.deepcopy(_stepped(Shampoo).state_dict())
+    saved["param_groups"][0]["lr"] = "0.1"
+    opt = _stepped(Shampoo, seed=1)
+    with pytest.raises(TypeError, match=r"Shampoo.load_state_dict: saved param_groups\[0\]: lr must be a real number"):
+        opt.load_state_dict(saved)
+    assert opt.param_groups[0]["lr"] == 1e-2
+
+
+@pytest.mark.parametrize("cls", [Muon, Shampoo, AdamW8bit])
+def test_own_state_dict_still_loads(cls):
+    src = _stepped(cls, shape=(80, 64))  # 8-bit state for AdamW8bit
+    opt = _stepped(cls, shape=(80, 64), seed=1)
+    opt.load_state_dict(copy.deepcopy(src.state_dict()))
+    assert _same(opt.state_dict(), src.state_dict())
+
+
+# --------------------------------------------------------------------------- 2. hyperparameter types
+
+BAD_TYPES = [
+    (Muon, dict(lr="0.1"), r"lr must be a real number .*or a 1-element tensor, got '0.1' of type str"),
+    (Muon, dict(lr=None), r"lr must be a real number.*got None of type NoneType"),
+    (Muon, dict(lr=True), r"lr must be a real number.*got True of type bool"),
+    (Muon, dict(weight_decay="0.1"), r"weight_decay must be a real number.*got '0.1' of type str"),
+    (Muon, dict(momentum="0.9"), r"momentum must be a real number.*got '0.9' of type str"),
+    (Muon, dict(nesterov="false"), r"nesterov must be True or False, got 'false' of type str"),
+    (Muon, dict(adamw_betas=0.9), r"adamw_betas.* must be \(beta1, beta2\), a tuple of 2 real numbers, got 0.9 of"),
+    (Muon, dict(adamw_lr="3e-4"), r"AdamW lr \(adamw_lr.*must be a real number"),
+    (Muon, dict(ns_coefficients=(3.4, -4.7)), r"ns_coefficients must be \(a, b, c\)"),
+    (Shampoo, dict(lr="0.1"), r"lr must be a real number.*got '0.1' of type str"),
+    (Shampoo, dict(lr=None), r"lr must be a real number.*got None"),
+    (Shampoo, dict(betas=(0.9, 0.99, 0.5)), r"betas must be \(beta1, beta2\).*got \(0.9, 0.99, 0.5\) of type tuple"),
+    (Shampoo, dict(weight_decay="0.1"), r"weight_decay must be a real number"),
+    (Shampoo, dict(epsilon="1e-12"), r"epsilon must be a real number"),
+    (AdamW8bit, dict(lr="0.1"), r"lr must be a real number.*got '0.1' of type str"),
+    (AdamW8bit, dict(lr=None), r"lr must be a real number"),
+    (AdamW8bit, dict(betas=0.9), r"betas must be \(beta1, beta2\).*got 0.9 of type float"),
+    (AdamW8bit, dict(weight_decay="0.1"), r"weight_decay must be a real number"),
+]
+
+
+@pytest.mark.parametrize("cls,kw,match", BAD_TYPES, ids=lambda x: getattr(x, "__name__", None))
+def test_wrong_type_hyperparameters_name_the_argument(cls, kw, match):
+    with pytest.raises(TypeError, match=match):
+        cls([torch.zeros(4, 4, requires_grad=True)], **kw)
+
+
+def test_wrong_types_in_param_groups():
+    w = torch.zeros(4, 4, requires_grad=True)
+    with pytest.raises(TypeError, match=r"use_muon must be True, False or None.*'false'"):
+        Muon([{"params": [w], "use_muon": "false"}])
+    with pytest.raises(TypeError, match=r"AdamW betas \(adamw_betas, or betas of a use_muon=False group\) must be"):
+        Muon([{"params": [w], "use_muon": False, "betas": (0.9,)}])
+    with pytest.raises(TypeError, match=r"nesterov must be True or False, got 1 of type int"):
+        Muon([{"params": [w], "use_muon": True, "nesterov": 1}])
+
+
+@pytest.mark.parametrize("cls", [Muon, Shampoo, AdamW8bit])
+def test_failed_add_param_group_of_a_wrong_type_leaves_the_optimizer_unchanged(cls):
+    opt = cls([torch.zeros(4, 4, requires_grad=True)])
+    with pytest.raises(TypeError, match="lr must be a real number"):
+        opt.add_param_group({"params": [torch.zeros(3, 3, requires_grad=True)], "lr": "0.1"})
+    assert len(opt.param_groups) == 1
+
+
+@pytest.mark.parametrize("cls", [Muon, Shampoo, AdamW8bit])
+def test_tensor_lr_still_accepted_and_equal_to_float_lr(cls):
+    runs = []
+    for lr in (0.01, torch.tensor(0.01, dtype=torch.float64)):  # float64: .item() is exactly 0.01
+        opt = _stepped(cls, shape=(80, 64), lr=lr)
+        runs.append(opt.param_groups[0]["params"][0].detach().clone())
+    assert torch.equal(*runs)
+
+
+# --------------------------------------------------------------------------- 3. muon_param_groups
+
+
+class _Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 8)
+        self.hidden = nn.Linear(8, 8)
+        self.lm_head = nn.Linear(8, 10)
+
+
+def test_muon_param_groups_rejects_misspelt_overrides():
+    with pytest.raises(ValueError, match=r"unknown override\(s\) \['momentun', 'adamw_beta'\].*'momentum' for "):
+        muon_param_groups(_Tiny(), momentun=0.5, adamw_beta=(0.8, 0.9))
+    for key in ("betas", "use_muon", "params", "adamw_momentum"):  # would be dropped or clobber the group
+        with pytest.raises(ValueError, match=rf"unknown override\(s\) \['{key}'\].*accepted: \['lr'"):
+            muon_param_groups(_Tiny(), **{key: 0.5})
+
+
+def test_muon_param_groups_accepts_every_group_key():
+    kw = dict(lr=0.01, eps=1e-7, weight_decay=0.1, momentum=0.9, nesterov=False, ns_steps=3)
+    kw.update(ns_coefficients=(3.0, -4.0, 2.0), adjust_lr="match_rms_adamw", ns_dtype=torch.float32)
+    kw.update(adamw_lr=1e-3, adamw_betas=(0.8, 0.9), adamw_eps=1e-9, adamw_weight_decay=0.2)
+    muon, adamw = Muon(muon_param_groups(_Tiny(), **kw)).param_groups
+    assert all(muon[k] == v for k, v in kw.items() if not k.startswith("adamw_"))
+    assert all(adamw[k.removeprefix("adamw_")] == v for k, v in kw.items() if k.startswith("adamw_"))
+
+
+def test_muon_param_groups_exclude_takes_one_item_alone():
+    model = _Tiny()
+    for one in ("hidden", "hidden.weight", model.hidden, model.hidden.weight):
+        (only,) = muon_param_groups(model, exclude=one)  # as if [one]: the Muon group is left empty
+        assert only["use_muon"] is False and len(only["params"]) == 5
