@@ -42,6 +42,7 @@ class FlatUnit:
         replicate_group=None,
     ):
         self.module = module
+        self.module_name = type(module).__name__  # for messages (fully_shard renames the class afterwards)
         self.replicate_group = replicate_group  # HSDP: replicas of this unit's shards
         self.comm_policy = comm_policy or CommPolicy()
         self.group = group
@@ -121,13 +122,13 @@ class FlatUnit:
 
     def _build_unsharded_params(self):
         self.unsharded = torch.empty(self.layout.total_size, dtype=self.param_dtype, device=self.device)
-        self.unsharded_params = [
-            nn.Parameter(self._full_slice(self.unsharded, i), requires_grad=rg)
-            for i, rg in enumerate(self.requires_grad)
-        ]
-        for up in self.unsharded_params:
-            if up.requires_grad:
-                up.register_post_accumulate_grad_hook(self._grad_landed)
+        self.unsharded_params = []
+        for i, rg in enumerate(self.requires_grad):
+            # A hook on every param (torch only takes one on a trainable tensor; it survives requires_grad_), so a
+            # param unfrozen after fully_shard is counted too.
+            up = nn.Parameter(self._full_slice(self.unsharded, i), requires_grad=True)
+            up.register_post_accumulate_grad_hook(self._grad_landed)
+            self.unsharded_params.append(up.requires_grad_(rg))
         self._storage_nbytes = self.unsharded.untyped_storage().nbytes()  # freed until the first unshard
         self.unsharded.untyped_storage().resize_(0)
 
@@ -182,6 +183,33 @@ class FlatUnit:
 
     def set_unsharded_attrs(self):
         self._set_attrs(self.unsharded_params)
+
+    def sync_with_sharded_params(self):
+        """Before a forward: follow requires_grad_ set on the sharded params since fully_shard (a frozen param gets
+        no grad: .grad stays None), and refuse params that were cast, moved or given new .data (they no longer live
+        in the local shard, so training would ignore them or fail in backward)."""
+        shard_ptr = self.local_shard.untyped_storage().data_ptr()
+        for i, sp in enumerate(self.sharded_params):
+            if sp.dtype != self.dtype or sp.device != self.device:
+                raise RuntimeError(
+                    f"param {self._label(i)} is {sp.dtype} on {sp.device}, but fully_shard laid it out as "
+                    f"{self.dtype} on {self.device}: the module was cast or moved after fully_shard (e.g. "
+                    ".to(torch.bfloat16), .double(), .cuda()). Cast and move the module before fully_shard; for "
+                    "low-precision compute keep the params in fp32 and pass "
+                    "mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)"
+                )
+            if sp.untyped_storage().data_ptr() != shard_ptr:
+                raise RuntimeError(
+                    f"param {self._label(i)} no longer lives in fully_shard's flat buffer: its .data was replaced "
+                    "after fully_shard, and training would ignore the new tensor. Change params in place "
+                    "(p.copy_(...)) or before fully_shard"
+                )
+            if sp.requires_grad != self.requires_grad[i]:
+                self.requires_grad[i] = sp.requires_grad
+                self.unsharded_params[i].requires_grad_(sp.requires_grad)
+
+    def _label(self, i: int) -> str:
+        return f"{self.names[i]!r} (in {self.module_name})"
 
     # ----- unshard / reshard --------------------------------------------------------------------------------
     def start_unshard(self):

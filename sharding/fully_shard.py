@@ -14,7 +14,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
+from torch.distributed.device_mesh import DeviceMesh
 
+from ragged_optim.sharding.comm_policy import CommPolicy
 from ragged_optim.sharding.flat_unit import FlatUnit
 from ragged_optim.sharding.sharded_param import shard_info
 
@@ -56,6 +58,10 @@ class RaggedFSDPModule:
                 unit.requires_grad_sync = requires_gradient_sync
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(
+                f"set_reshard_after_forward(reshard_after_forward={reshard_after_forward!r}): takes True or False"
+            )
         mods = self.modules() if recurse else [self]
         for m in mods:
             unit = getattr(m, _UNIT_ATTR, None)
@@ -88,22 +94,105 @@ def _resolve_groups(mesh):
                 "fully_shard needs torch.distributed: call dist.init_process_group first "
                 "(or use ragged_optim.comm.launch.run_on_ranks), or pass mesh=<DeviceMesh or ProcessGroup>"
             )
-        return dist.group.WORLD, None
-    if hasattr(mesh, "get_group"):
+        groups = dist.group.WORLD, None
+    elif isinstance(mesh, DeviceMesh):
         if mesh.ndim == 1:
-            return mesh.get_group(), None
-        if mesh.ndim == 2:  # HSDP: shard along the last dim, replicate along the first
-            return mesh.get_group(1), mesh.get_group(0)
-        raise ValueError(f"fully_shard(mesh=...) takes a 1-D mesh or a 2-D (replicate, shard) mesh, got {mesh.ndim}-D")
-    return mesh, None
+            groups = mesh.get_group(), None
+        elif mesh.ndim == 2:  # HSDP: shard along the last dim, replicate along the first
+            groups = mesh.get_group(1), mesh.get_group(0)
+        else:
+            raise ValueError(
+                f"fully_shard(mesh=...) takes a 1-D mesh or a 2-D (replicate, shard) mesh, got {mesh.ndim}-D"
+            )
+    elif isinstance(mesh, dist.ProcessGroup):
+        groups = mesh, None
+    elif type(mesh) is int and mesh == dist.GroupMember.NON_GROUP_MEMBER:  # what new_group gives non-members
+        raise ValueError(_NOT_A_MEMBER)
+    else:
+        raise TypeError(
+            f"fully_shard(mesh={mesh!r}): mesh takes a DeviceMesh (1-D, or 2-D (replicate, shard) for HSDP), a "
+            f"ProcessGroup, or None (the default group); got a {type(mesh).__name__}. For a mesh over all ranks: "
+            "torch.distributed.device_mesh.init_device_mesh('cpu' or 'cuda', (world_size,))"
+        )
+    if any(g is not None and dist.get_rank(g) < 0 for g in groups):
+        raise ValueError(_NOT_A_MEMBER)
+    return groups
+
+
+_NOT_A_MEMBER = (
+    f"fully_shard(mesh=...): this rank is not a member of the given process group (new_group returns "
+    f"{dist.GroupMember.NON_GROUP_MEMBER} on the ranks it leaves out). Call fully_shard for that module only on "
+    "the group's ranks, or pass a group or DeviceMesh that contains this rank"
+)
+
+
+def _check_args(module, reshard_after_forward, mp_policy, block_policy, comm_policy):
+    """Type checks that need no process group, so a wrong argument fails here rather than deep in a hook."""
+    if isinstance(module, list | tuple):
+        raise TypeError(
+            f"fully_shard(module=...) got a {type(module).__name__} of modules; ragged_optim makes one unit per "
+            "module: call fully_shard on each module (for m in modules: fully_shard(m)), or on one nn.Module "
+            "whose forward runs them"
+        )
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"fully_shard(module=...) takes an nn.Module, got a {type(module).__name__}")
+    _check_reshard_after_forward(reshard_after_forward)
+    if mp_policy is not None:
+        if not (hasattr(mp_policy, "param_dtype") and hasattr(mp_policy, "reduce_dtype")):
+            raise TypeError(
+                f"fully_shard(mp_policy={mp_policy!r}): mp_policy takes a torch.distributed.fsdp.MixedPrecisionPolicy"
+                ", e.g. MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32), or None"
+            )
+        for field in ("param_dtype", "reduce_dtype"):
+            d = getattr(mp_policy, field)
+            if d is not None and not (isinstance(d, torch.dtype) and d.is_floating_point):
+                raise TypeError(
+                    f"fully_shard: mp_policy.{field} must be a floating-point torch.dtype or None, got {d!r}"
+                )
+    if block_policy is not None and not callable(block_policy):
+        raise TypeError(
+            f"fully_shard(block_policy={block_policy!r}): block_policy takes fn(name, param) -> BlockSpec | None"
+        )
+    if comm_policy is not None and not isinstance(comm_policy, CommPolicy):
+        raise TypeError(
+            f"fully_shard(comm_policy={comm_policy!r}): comm_policy takes a CommPolicy, e.g. "
+            "QuantizedAllGather('int8') or CommPolicy(param_all_gather='int8', grad_reduce='bf16'), or None"
+        )
+
+
+def _check_reshard_after_forward(value):
+    if isinstance(value, bool) or value is None:
+        return
+    if isinstance(value, int):
+        what = "an int (torch's resharding to a smaller group) is not supported"
+    else:
+        what = f"got a {type(value).__name__}"
+    raise ValueError(
+        f"fully_shard(reshard_after_forward={value!r}): {what}; reshard_after_forward "
+        "takes True (free the gathered params after forward, gather again for backward), False (keep them until "
+        "backward) or None (torch's default; here the same as True: the root unit always keeps its params for "
+        "backward)"
+    )
 
 
 def _collect_params(module: nn.Module):
     """Params under ``module`` not owned by an inner unit, deduplicated (tied weights), in registration order."""
     params, names, refs, seen = [], [], [], {}
+    inside = {id(m) for m in module.modules()}
     for mod_name, mod in module.named_modules(remove_duplicate=False):
         for attr, p in mod._parameters.items():
-            if p is None or shard_info(p) is not None:
+            if p is None:
+                continue
+            if (info := shard_info(p)) is not None:
+                if id(info.unit.module) not in inside:  # an enclosing module was sharded first
+                    name = f"{mod_name}.{attr}" if mod_name else attr
+                    raise ValueError(
+                        f"fully_shard: param {name!r} of this "
+                        f"{type(module).__name__} already belongs to the unit of an enclosing "
+                        f"{info.unit.module_name} (fully_shard was called on it first). Call fully_shard on inner "
+                        "modules first and on the root last, as with torch's FSDP2: "
+                        "for block in model.layers: fully_shard(block); then fully_shard(model)"
+                    )
                 continue
             if id(p) in seen:
                 refs[seen[id(p)]].append((mod, attr))
@@ -140,7 +229,7 @@ def fully_shard(
     module: nn.Module,
     *,
     mesh=None,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | None = True,
     mp_policy=None,
     block_policy=None,
     comm_policy=None,
@@ -156,21 +245,34 @@ def fully_shard(
     sharded master params keep the module's dtype). ``block_policy``: ``fn(name, param) -> BlockSpec | None``,
     which blocks an optimizer needs whole; our optimizers re-plan this for you when they are constructed.
     ``comm_policy``: a ``CommPolicy`` (e.g. ``QuantizedAllGather("int8")``) for quantized communication.
-    Non-contiguous params are accepted (their values are copied into the flat buffer). A module with no params of
-    its own makes an empty unit that communicates nothing.
+    ``reshard_after_forward``: True, False, or None (torch's default: True for inner units, and the root keeps
+    its params for backward; our root always does, so None and True behave the same). ``requires_grad_`` on a
+    sharded param takes effect at the next forward; cast or move the module before fully_shard (use mp_policy for
+    low-precision compute). Non-contiguous params are accepted (their values are copied into the flat buffer). A
+    module with no params of its own makes an empty unit that communicates nothing.
     """
+    _check_args(module, reshard_after_forward, mp_policy, block_policy, comm_policy)
     if getattr(module, _UNIT_ATTR, None) is not None:
         raise ValueError(f"fully_shard was already called on this {type(module).__name__}; call it once per module")
-    group, replicate_group = _resolve_groups(mesh)
     params, names, refs = _collect_params(module)
-    _check_params(module, params, names)
+    # Hooks run around forward: a ModuleList or ModuleDict has none, so its submodules' own forward would see the
+    # sharded params. (Other modules without forward are left alone: tests and optimizer-only uses set grads by hand
+    # or call unshard().) An empty unit, every param already in an inner unit, is harmless.
+    if params and isinstance(module, nn.ModuleList | nn.ModuleDict):
+        raise TypeError(
+            f"fully_shard(module=...): a {type(module).__name__} has no forward, so the hooks that gather its params "
+            f"({names[0]!r}, ...) would never run. Call fully_shard on each module inside it (for block in "
+            "model.layers: fully_shard(block)), or on the module whose forward uses them"
+        )
+    _check_params(module, params, names)  # before the mesh: param errors need no process group
+    group, replicate_group = _resolve_groups(mesh)
     unit = FlatUnit(module, params, names, refs, group, mp_policy, comm_policy, replicate_group)
     for p, n in zip(params, names):  # an optimizer built on these old params can then say what happened
         p._ragged_replaced_by = n
     if block_policy is not None:
         specs = {i: s for i, (n, p) in enumerate(zip(names, params)) if (s := block_policy(n, p)) is not None}
         unit.relayout(specs)
-    unit.reshard_after_forward = reshard_after_forward
+    unit.reshard_after_forward = reshard_after_forward is not False  # None: see the docstring
     _reset_iteration_flags(unit)
     unit.on_all_grads_ready = _post_backward
     setattr(module, _UNIT_ATTR, unit)
@@ -195,6 +297,10 @@ def _reset_iteration_flags(unit: FlatUnit):
 def _pre_forward(module, args):
     unit: FlatUnit = getattr(module, _UNIT_ATTR)
     tr = _TRACKER
+    # The outermost unit checks every unit under it before any state changes, so a bad param leaves no half-done
+    # iteration behind; an inner unit rechecks itself (cheap) in case it lives outside the root's module tree.
+    for u in units_of(module) if tr.depth == 0 else [unit]:
+        u.sync_with_sharded_params()
     unit.is_root = tr.depth == 0
     if unit.is_root:  # the outermost unit of this forward: a new iteration starts
         for u in tr.units:

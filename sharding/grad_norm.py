@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 import torch.distributed as dist
 
@@ -55,11 +57,18 @@ def total_grad_norm(params, norm_type: float = 2.0) -> torch.Tensor:
 @torch.no_grad()
 def clip_grad_norm_(params, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """Scale all grads so that their global norm is at most ``max_norm``; returns the norm before clipping."""
+    is_number = isinstance(max_norm, numbers.Real) or (isinstance(max_norm, torch.Tensor) and max_norm.numel() == 1)
+    limit = float(max_norm) if is_number else float("nan")
+    if not limit >= 0:  # checked before the collective, so every rank raises together; NaN fails too
+        raise ValueError(
+            f"clip_grad_norm_: max_norm must be a number >= 0 (the largest global grad norm to allow), got "
+            f"{max_norm!r}; a negative max_norm would flip the gradients' signs"
+        )
     if isinstance(params, torch.Tensor):
         params = [params]
     params = list(params)
     norm = total_grad_norm(params, norm_type)
-    coef = (max_norm / (norm.double() + 1e-6)).clamp(max=1.0)
+    coef = (limit / (norm.double() + 1e-6)).clamp(max=1.0)
     for p in params:
         if p.grad is not None:
             _local(p.grad).mul_(coef.to(_local(p.grad).dtype))

@@ -1,0 +1,291 @@
+"""Misuse of fully_shard and clip_grad_norm_ gets a clear error, or is honoured correctly, never silently ignored:
+requires_grad changed after sharding, reshard_after_forward values, the root sharded before its submodules, lists
+and containers without forward, casting after sharding, wrong argument types, a negative max_norm.
+
+Checks that need a process group share one run of 2 gloo ranks (a module-scoped fixture); the rest run here."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ragged_optim.comm.launch import run_on_ranks
+from ragged_optim.sharding import clip_grad_norm_, full_tensor, fully_shard, units_of
+
+WORLD = 2
+LR = 0.1
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def sharded_net(**kw):
+    m = Net()
+    fully_shard(m.a, **kw)
+    fully_shard(m.b, **kw)
+    fully_shard(m, **kw)
+    return m
+
+
+def _x():
+    return torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
+
+
+def _err(fn):
+    try:
+        fn()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _train(model, rows, steps, before_step=None):
+    """SGD on ``rows`` of the batch; ``before_step(step)`` may freeze/unfreeze. Returns, per step, the names of the
+    params whose .grad is None after backward."""
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    no_grad = []
+    for step in range(steps):
+        if before_step is not None:
+            before_step(model, step)
+        model(_x()[rows]).pow(2).mean().backward()
+        no_grad.append(sorted(n for n, p in model.named_parameters() if p.grad is None))
+        opt.step()
+        opt.zero_grad()
+    return no_grad
+
+
+def _freeze_a_weight_at_step_1(model, step):
+    if step == 1:
+        model.a.weight.requires_grad_(False)
+
+
+def _unfreeze_b_weight(model, step):
+    model.b.weight.requires_grad_(True)
+
+
+def _frozen_b_weight():
+    m = Net()
+    m.b.weight.requires_grad_(False)
+    return m
+
+
+def _reference(make, before_step):
+    """One process, the whole batch: the mean over 8 rows equals the mean of the 2 ranks' means over 4 rows."""
+    model = make()
+    no_grad = _train(model, slice(None), 3, before_step)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, no_grad
+
+
+def _full_params(model):
+    return {n: full_tensor(p).clone() for n, p in model.named_parameters()}
+
+
+def _on_ranks(rank, world_size):
+    out = {}
+    rows = slice(rank * 4, (rank + 1) * 4)
+
+    # 1. requires_grad changed after fully_shard: trained then frozen, and frozen then unfrozen.
+    m = sharded_net()
+    out["freeze_no_grad"] = _train(m, rows, 3, _freeze_a_weight_at_step_1)
+    out["freeze_params"] = _full_params(m)
+    m = _frozen_b_weight()
+    for mod in (m.a, m.b, m):
+        fully_shard(mod)
+    out["unfreeze_no_grad"] = _train(m, rows, 3, _unfreeze_b_weight)
+    out["unfreeze_params"] = _full_params(m)
+
+    # 2. reshard_after_forward=None: inner units reshard after forward, the root keeps its params for backward.
+    m = Net()
+    fully_shard(m.a, reshard_after_forward=None)
+    fully_shard(m, reshard_after_forward=None)  # the root owns b's params
+    loss = m(_x()[rows]).pow(2).mean()
+    out["none_unsharded_after_forward"] = [u.is_unsharded for u in units_of(m)]  # a, root
+    loss.backward()
+    out["set_reshard_int"] = _err(lambda: m.set_reshard_after_forward(2))
+
+    # 3. The root sharded before its submodules.
+    m = Net()
+    fully_shard(m)
+    out["root_first"] = _err(lambda: fully_shard(m.a))
+
+    # 4. A container without forward is fine once every param in it belongs to an inner unit (an empty unit).
+    def shard_layers():
+        layers = nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)])
+        for layer in layers:
+            fully_shard(layer)
+        fully_shard(layers)
+
+    out["empty_container"] = _err(shard_layers)
+
+    # 5. Cast after fully_shard: a clear error at the next forward, before any collective or state change.
+    for key, cast in {"bf16": lambda m: m.to(torch.bfloat16), "double": lambda m: m.double()}.items():
+        m = sharded_net()
+        cast(m)
+        out[f"cast_{key}"] = _err(lambda m=m: m(_x()[rows].to(m.a.weight.dtype)))
+    m = sharded_net()
+    m.b.bias.data = torch.zeros_like(m.b.bias)  # same dtype, but no longer a view of the flat buffer
+    out["data_replaced"] = _err(lambda: m(_x()[rows]))
+    # The errors left no half-done iteration behind: a fresh model still trains.
+    out["after_cast_trains"] = _train(sharded_net(), rows, 1) == [[]]
+
+    # 6. A process group that leaves this rank out (new_group gives non-members a placeholder, not a group).
+    group = dist.new_group([0])
+    out["not_a_member"] = _err(lambda: fully_shard(Net(), mesh=group))
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return run_on_ranks(_on_ranks, WORLD)
+
+
+def _max_diff(a, b):
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+# ----------------------------------------------------------------------------------------------- 1. requires_grad
+
+
+def test_param_frozen_after_fully_shard_gets_no_grad_and_stays_put(ranks):
+    ref_params, ref_no_grad = _reference(Net, _freeze_a_weight_at_step_1)
+    assert ref_no_grad == [[], ["a.weight"], ["a.weight"]]
+    initial = Net().a.weight.detach()
+    for r in ranks:
+        assert r["freeze_no_grad"] == ref_no_grad  # None, not zeros, so optimizers skip it
+        assert _max_diff(r["freeze_params"], ref_params) <= 1e-6
+    # it trained at step 0 only: the frozen steps did not move it
+    assert not torch.equal(ranks[0]["freeze_params"]["a.weight"], initial)
+
+
+def test_param_unfrozen_after_fully_shard_trains(ranks):
+    ref_params, ref_no_grad = _reference(_frozen_b_weight, _unfreeze_b_weight)
+    assert ref_no_grad == [[], [], []]
+    for r in ranks:
+        assert r["unfreeze_no_grad"] == ref_no_grad
+        assert _max_diff(r["unfreeze_params"], ref_params) <= 1e-6
+    assert not torch.equal(ranks[0]["unfreeze_params"]["b.weight"], Net().b.weight.detach())
+
+
+# ------------------------------------------------------------------------------------- 2. reshard_after_forward
+
+
+def test_reshard_after_forward_none_is_torchs_default(ranks):
+    for r in ranks:
+        assert r["none_unsharded_after_forward"] == [False, True]  # the inner unit resharded, the root kept
+        assert "takes True or False" in r["set_reshard_int"]
+
+
+@pytest.mark.parametrize("value", [2, 0, "yes", 1.0])
+def test_reshard_after_forward_rejects_non_bools(value):
+    with pytest.raises(ValueError, match=r"reshard_after_forward.*takes True .*False .*None"):
+        fully_shard(nn.Linear(2, 2), reshard_after_forward=value)
+
+
+def test_reshard_after_forward_int_names_what_is_unsupported():
+    with pytest.raises(ValueError, match="an int .*smaller group.* is not supported"):
+        fully_shard(nn.Linear(2, 2), reshard_after_forward=2)
+
+
+# ----------------------------------------------------------------------------------------------- 3. order
+
+
+def test_root_sharded_before_submodule_is_refused(ranks):
+    for r in ranks:
+        e = r["root_first"]
+        assert e.startswith("ValueError") and "'weight'" in e and "enclosing Net" in e
+        assert "inner modules first and on the root last" in e
+
+
+# ----------------------------------------------------------------------------------------------- 4. lists, containers
+
+
+def test_list_of_modules_is_refused():
+    m = Net()
+    for modules in ([m.a, m.b], (m.a, m.b)):
+        with pytest.raises(TypeError, match=r"fully_shard\(module=\.\.\.\) got a .* of modules.*each module"):
+            fully_shard(modules)
+    with pytest.raises(TypeError, match="takes an nn.Module, got a Tensor"):
+        fully_shard(torch.zeros(2))
+
+
+@pytest.mark.parametrize("container", [nn.ModuleList([nn.Linear(2, 2)]), nn.ModuleDict({"0": nn.Linear(2, 2)})])
+def test_container_without_forward_is_refused(container):
+    name = type(container).__name__
+    with pytest.raises(TypeError, match=f"a {name} has no forward.*'0.weight'.*fully_shard on each module inside it"):
+        fully_shard(container)
+    assert not hasattr(container, "_ragged_unit")  # nothing was half-done
+
+
+def test_container_whose_params_are_all_in_inner_units_is_accepted(ranks):
+    for r in ranks:
+        assert r["empty_container"] is None
+
+
+# ----------------------------------------------------------------------------------------------- 5. casting
+
+
+def test_cast_after_fully_shard_is_refused_at_forward(ranks):
+    for r in ranks:
+        for key, dtype in {"bf16": "torch.bfloat16", "double": "torch.float64"}.items():
+            e = r[f"cast_{key}"]
+            assert e.startswith("RuntimeError") and "'weight' (in Linear)" in e and dtype in e
+            assert "before fully_shard" in e and "mp_policy=MixedPrecisionPolicy" in e
+        e = r["data_replaced"]
+        assert e.startswith("RuntimeError") and "'bias' (in Linear) no longer lives in fully_shard's flat buffer" in e
+        assert r["after_cast_trains"] is True
+
+
+# ----------------------------------------------------------------------------------------------- 6. argument types
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"mp_policy": torch.bfloat16}, r"mp_policy=torch.bfloat16\): mp_policy takes a .*MixedPrecisionPolicy"),
+        ({"comm_policy": "int8"}, r"comm_policy='int8'\): comm_policy takes a CommPolicy.*QuantizedAllGather"),
+        ({"mesh": "cpu"}, r"mesh='cpu'\): mesh takes a DeviceMesh .* ProcessGroup, or None.*init_device_mesh"),
+        ({"mesh": 2}, r"mesh=2\): mesh takes a DeviceMesh"),
+        ({"block_policy": "muon"}, r"block_policy='muon'\): block_policy takes fn\(name, param\)"),
+    ],
+)
+def test_wrong_argument_types_name_the_argument(kw, match):
+    with pytest.raises(TypeError, match=match):
+        fully_shard(nn.Linear(2, 2), **kw)
+
+
+def test_mp_policy_dtypes_are_checked():
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    with pytest.raises(TypeError, match="mp_policy.param_dtype must be a floating-point torch.dtype"):
+        fully_shard(nn.Linear(2, 2), mp_policy=MixedPrecisionPolicy(param_dtype=torch.int8))
+
+
+def test_group_without_this_rank_is_refused(ranks):
+    assert ranks[0]["not_a_member"] is None  # rank 0 is in the group of one
+    e = ranks[1]["not_a_member"]
+    assert e.startswith("ValueError") and "this rank is not a member of the given process group" in e
+    with pytest.raises(ValueError, match="not a member"):  # the placeholder itself, without a process group
+        fully_shard(nn.Linear(2, 2), mesh=dist.GroupMember.NON_GROUP_MEMBER)
+
+
+# ----------------------------------------------------------------------------------------------- 7. clip
+
+
+@pytest.mark.parametrize("max_norm", [-1.0, float("nan"), torch.tensor(-0.5), "1", None])
+def test_clip_grad_norm_rejects_negative_max_norm(max_norm):
+    p = nn.Parameter(torch.ones(3))
+    p.grad = torch.full((3,), 2.0)
+    with pytest.raises(ValueError, match="max_norm must be a number >= 0"):
+        clip_grad_norm_([p], max_norm)
+    assert torch.equal(p.grad, torch.full((3,), 2.0))  # untouched
+    clip_grad_norm_([p], torch.tensor(0.0))  # 0 and tensors are fine
+    assert torch.equal(p.grad, torch.zeros(3))
