@@ -141,19 +141,22 @@ def test_resume_continues_the_same_run(sharded_run):
     assert not any(d.startswith(".tmp") for d in os.listdir(ckpt))
 
 
-def test_cli_wiring_and_argument_errors():
+def test_cli_wiring_and_argument_errors(capsys):
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["train"])
     assert args.func.__name__ == "main_from_args"
     assert args.optimizer == DEFAULT_OPTIMIZER and args.world_size == 4 and args.preset == "small"
     assert args.steps == 200 and args.fsdp == "ours"
-    with pytest.raises(ValueError, match="divisible"):
-        main(["--preset", "tiny", "--world-size", "3", "--batch-size", "8", "--fsdp", "torch"])
-    with pytest.raises(ValueError, match="--world-size 1"):
-        main(["--world-size", "2", "--fsdp", "none"])
-    with pytest.raises(ValueError, match="--checkpoint-dir"):
-        main(["--resume", "--world-size", "1", "--fsdp", "none"])
+    # python -m ragged_optim.train: bad options are argparse errors (exit 2, the message on stderr)
+    for argv, message in [
+        (["--preset", "tiny", "--world-size", "3", "--batch-size", "8", "--fsdp", "torch"], "divisible"),
+        (["--world-size", "2", "--fsdp", "none"], "--world-size 1"),
+        (["--resume", "--world-size", "1", "--fsdp", "none"], "--checkpoint-dir"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_optimizer_registry():
