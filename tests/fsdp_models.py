@@ -61,3 +61,24 @@ def shard(model, fully_shard, **kw):
 def local_rows(t, rank, world_size):
     per = t.shape[0] // world_size
     return t[rank * per : (rank + 1) * per]
+
+
+class TwoLinear(nn.Module):
+    """8 -> 8 -> 4, seeded: the small model of the fault and misuse tests."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def shard_two_linear(fully_shard, **kw):
+    m = TwoLinear()
+    fully_shard(m.a, **kw)
+    fully_shard(m.b, **kw)
+    fully_shard(m, **kw)
+    return m

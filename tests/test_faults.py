@@ -10,6 +10,8 @@ import warnings
 
 import pytest
 import torch
+from fsdp_models import TwoLinear as Net
+from fsdp_models import shard_two_linear
 from torch import nn
 
 from ragged_optim.comm.launch import RankFailure, run_on_ranks
@@ -22,23 +24,8 @@ from ragged_optim.testing import _set_grads, default_grad
 _warm = torch.optim.SGD([nn.Parameter(torch.zeros(1))])
 
 
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.a = nn.Linear(8, 8)
-        self.b = nn.Linear(8, 4)
-
-    def forward(self, x):
-        return self.b(torch.relu(self.a(x)))
-
-
-def sharded_net():
-    model = Net()
-    fully_shard(model.a)
-    fully_shard(model.b)
-    fully_shard(model)
-    return model
+def sharded_net(**kw):
+    return shard_two_linear(fully_shard, **kw)
 
 
 def muon_for(model, cls=Muon):

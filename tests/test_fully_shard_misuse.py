@@ -7,6 +7,8 @@ Checks that need a process group share one run of 2 gloo ranks (a module-scoped 
 import pytest
 import torch
 import torch.distributed as dist
+from fsdp_models import TwoLinear as Net
+from fsdp_models import shard_two_linear
 from torch import nn
 
 from ragged_optim.comm.launch import run_on_ranks
@@ -16,23 +18,8 @@ WORLD = 2
 LR = 0.1
 
 
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.a = nn.Linear(8, 8)
-        self.b = nn.Linear(8, 4)
-
-    def forward(self, x):
-        return self.b(torch.relu(self.a(x)))
-
-
 def sharded_net(**kw):
-    m = Net()
-    fully_shard(m.a, **kw)
-    fully_shard(m.b, **kw)
-    fully_shard(m, **kw)
-    return m
+    return shard_two_linear(fully_shard, **kw)
 
 
 def _x():
@@ -201,7 +188,7 @@ def test_reshard_after_forward_int_names_what_is_unsupported():
 def test_root_sharded_before_submodule_is_refused(ranks):
     for r in ranks:
         e = r["root_first"]
-        assert e.startswith("ValueError") and "'weight'" in e and "enclosing Net" in e
+        assert e.startswith("ValueError") and "'weight'" in e and "enclosing TwoLinear" in e
         assert "inner modules first and on the root last" in e
 
 
