@@ -54,6 +54,10 @@ class FlatUnit:
         self.dtype = params[0].dtype if params else torch.float32
         self.param_dtype = (mp_policy.param_dtype if mp_policy else None) or self.dtype
         self.reduce_dtype = (mp_policy.reduce_dtype if mp_policy else None) or self.param_dtype
+        # MixedPrecisionPolicy's forward casts, as FSDP2 applies them per fully_shard module
+        cast = mp_policy is not None and mp_policy.param_dtype is not None and mp_policy.cast_forward_inputs
+        self.cast_inputs_to = mp_policy.param_dtype if cast else None
+        self.output_dtype = mp_policy.output_dtype if mp_policy is not None else None
         self.requires_grad = [p.requires_grad for p in params]
         self.specs = [default_block_spec(p) for p in params]
         self.allow_split = True

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 from torch.distributed.device_mesh import DeviceMesh
+from torch.utils._pytree import tree_map_only
 
 from ragged_optim.sharding.comm_policy import CommPolicy
 from ragged_optim.sharding.flat_unit import FlatUnit
@@ -242,8 +243,10 @@ def fully_shard(
     Each call may take its own mesh (e.g. an encoder over 2 ranks per replica, the decoder over 4).
     ``mp_policy``: torch's
     ``MixedPrecisionPolicy`` (param_dtype for compute and all-gather, reduce_dtype for the reduce-scatter; the
-    sharded master params keep the module's dtype). ``block_policy``: ``fn(name, param) -> BlockSpec | None``,
-    which blocks an optimizer needs whole; our optimizers re-plan this for you when they are constructed.
+    sharded master params keep the module's dtype; as in FSDP2, floating-point forward inputs are cast to
+    param_dtype unless ``cast_forward_inputs=False``, and outputs to ``output_dtype`` when it is set).
+    ``block_policy``: ``fn(name, param) -> BlockSpec | None``, which blocks an optimizer needs whole; our
+    optimizers re-plan this for you when they are constructed.
     ``comm_policy``: a ``CommPolicy`` (e.g. ``QuantizedAllGather("int8")``) for quantized communication.
     ``reshard_after_forward``: True, False, or None (torch's default: True for inner units, and the root keeps
     its params for backward; our root always does, so None and True behave the same). ``requires_grad_`` on a
@@ -277,7 +280,7 @@ def fully_shard(
     unit.on_all_grads_ready = _post_backward
     setattr(module, _UNIT_ATTR, unit)
     _TRACKER.units.add(unit)
-    module.register_forward_pre_hook(_pre_forward)
+    module.register_forward_pre_hook(_pre_forward, with_kwargs=True)
     module.register_forward_hook(_post_forward)
     _mix_in(module)
     return module
@@ -294,7 +297,7 @@ def _reset_iteration_flags(unit: FlatUnit):
     unit.grads_ready = 0
 
 
-def _pre_forward(module, args):
+def _pre_forward(module, args, kwargs):
     unit: FlatUnit = getattr(module, _UNIT_ATTR)
     tr = _TRACKER
     # The outermost unit checks every unit under it before any state changes, so a bad param leaves no half-done
@@ -318,6 +321,9 @@ def _pre_forward(module, args):
     nxt = _next_in(tr.pre_forward_order, unit)
     if nxt is not None:
         nxt.start_unshard()
+    if unit.cast_inputs_to is not None:
+        return _cast_floating((args, kwargs), unit.cast_inputs_to)
+    return None
 
 
 def _post_forward(module, args, output):
@@ -327,6 +333,8 @@ def _post_forward(module, args, output):
     if tr.recording and torch.is_grad_enabled():
         tr.post_forward_order.append(unit)
     unit.set_sharded_attrs()
+    if unit.output_dtype is not None:
+        output = _cast_floating(output, unit.output_dtype)
     grad_outputs = [t for t in _tensors(output) if t.requires_grad]
     if torch.is_grad_enabled() and grad_outputs:
         torch.autograd.graph.register_multi_grad_hook(grad_outputs, lambda _g, u=unit: _pre_backward(u), mode="any")
@@ -336,6 +344,11 @@ def _post_forward(module, args, output):
     if tr.depth == 0:
         tr.recording = False
     return output
+
+
+def _cast_floating(obj, dtype: torch.dtype):
+    """``obj`` (a pytree) with its floating-point tensors cast to ``dtype``, as MixedPrecisionPolicy does."""
+    return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, obj)
 
 
 def _tensors(obj):

@@ -276,3 +276,32 @@ def test_clip_grad_norm_rejects_negative_max_norm(max_norm):
     assert torch.equal(p.grad, torch.full((3,), 2.0))  # untouched
     clip_grad_norm_([p], torch.tensor(0.0))  # 0 and tensors are fine
     assert torch.equal(p.grad, torch.zeros(3))
+
+
+def _mixed_precision_casts(rank, world_size):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    out = {}
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    for key, policy in {
+        "inputs_cast": MixedPrecisionPolicy(param_dtype=torch.bfloat16),
+        "output_fp32": MixedPrecisionPolicy(param_dtype=torch.bfloat16, output_dtype=torch.float32),
+        "no_input_cast": MixedPrecisionPolicy(param_dtype=torch.bfloat16, cast_forward_inputs=False),
+    }.items():
+        model = sharded_net(mp_policy=policy)
+        try:
+            y = model(x)
+            y.float().sum().backward()
+            out[key] = (y.dtype, all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters()))
+        except RuntimeError as e:
+            out[key] = str(e).splitlines()[0]
+    return out
+
+
+def test_mixed_precision_casts_forward_inputs_and_outputs_like_fsdp2():
+    # fp32 inputs into a bf16-compute model: cast as FSDP2 does (cast_forward_inputs=True by default), outputs cast
+    # to output_dtype when set; with cast_forward_inputs=False the fp32 input meets bf16 weights, as in FSDP2.
+    res = run_on_ranks(_mixed_precision_casts, WORLD)[0]
+    assert res["inputs_cast"] == (torch.bfloat16, True)
+    assert res["output_fp32"] == (torch.float32, True)
+    assert isinstance(res["no_input_cast"], str) and "dtype" in res["no_input_cast"]
