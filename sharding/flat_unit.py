@@ -190,8 +190,8 @@ class FlatUnit:
 
     def sync_with_sharded_params(self):
         """Before a forward: follow requires_grad_ set on the sharded params since fully_shard (a frozen param gets
-        no grad: .grad stays None), and refuse params that were cast, moved or given new .data (they no longer live
-        in the local shard, so training would ignore them or fail in backward)."""
+        no grad: .grad stays None), and refuse params that were cast, moved, given new .data or replaced by a new
+        Parameter (they no longer live in the local shard, so training would ignore them or fail in backward)."""
         shard_ptr = self.local_shard.untyped_storage().data_ptr()
         for i, sp in enumerate(self.sharded_params):
             if sp.dtype != self.dtype or sp.device != self.device:
@@ -208,6 +208,13 @@ class FlatUnit:
                     "after fully_shard, and training would ignore the new tensor. Change params in place "
                     "(p.copy_(...)) or before fully_shard"
                 )
+            for mod, attr in self.refs[i]:
+                if mod._parameters.get(attr) is not sp:  # a new Parameter assigned: the next unshard would drop it
+                    raise RuntimeError(
+                        f"param {self._label(i)} was replaced after fully_shard ({type(mod).__name__}.{attr} is a "
+                        "new object), and training would silently overwrite it. Copy new values in place "
+                        "(with torch.no_grad(): p.copy_(new)) or assign params before fully_shard"
+                    )
             if sp.requires_grad != self.requires_grad[i]:
                 self.requires_grad[i] = sp.requires_grad
                 self.unsharded_params[i].requires_grad_(sp.requires_grad)

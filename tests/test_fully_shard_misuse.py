@@ -120,6 +120,9 @@ def _on_ranks(rank, world_size):
     m = sharded_net()
     m.b.bias.data = torch.zeros_like(m.b.bias)  # same dtype, but no longer a view of the flat buffer
     out["data_replaced"] = _err(lambda: m(_x()[rows]))
+    m = sharded_net()
+    m.a.weight = nn.Parameter(torch.zeros(8, 8))  # a new Parameter object: the next unshard would drop it
+    out["param_replaced"] = _err(lambda: m(_x()[rows]))
     # The errors left no half-done iteration behind: a fresh model still trains.
     out["after_cast_trains"] = _train(sharded_net(), rows, 1) == [[]]
 
@@ -228,6 +231,8 @@ def test_cast_after_fully_shard_is_refused_at_forward(ranks):
             assert "before fully_shard" in e and "mp_policy=MixedPrecisionPolicy" in e
         e = r["data_replaced"]
         assert e.startswith("RuntimeError") and "'bias' (in Linear) no longer lives in fully_shard's flat buffer" in e
+        e = r["param_replaced"]
+        assert e.startswith("RuntimeError") and "'weight' (in Linear) was replaced after fully_shard" in e
         assert r["after_cast_trains"] is True
 
 
