@@ -174,8 +174,11 @@ def test_load_state_dict_of_another_block_size_fails_clearly():
     other = AdamW8bit([tensors[0].clone().requires_grad_()], block_size=128)
     sd = copy.deepcopy(opt.state_dict())
     sd["param_groups"][0]["block_size"] = 128  # group says 128, state was built with 256 blocks
+    before = copy.deepcopy(other.state_dict())
     with pytest.raises(ValueError, match="does not fit"):
         other.load_state_dict(sd)
+    after = other.state_dict()  # the failed load changed nothing
+    assert after["param_groups"] == before["param_groups"] and after["state"] == before["state"] == {}
 
 
 def test_complex_param_named_in_error():

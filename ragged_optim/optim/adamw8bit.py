@@ -306,6 +306,16 @@ class AdamW8bit(RaggedOptimizer):
         for k, v in state_dict["state"].items():
             plain["state"][k] = {kk: vv for kk, vv in v.items() if kk not in STATE_KEYS_8BIT}
             codes[k] = {kk: vv for kk, vv in v.items() if kk in STATE_KEYS_8BIT}
+        # The 8-bit fit check below needs the loaded groups: on failure, put the old state and groups back
+        # (torch's loader installs new objects and leaves the old ones untouched).
+        old = {"state": self.state, "param_groups": self.param_groups}
+        try:
+            self._load_into(plain, state_dict, codes)
+        except Exception:
+            self.__setstate__(old)
+            raise
+
+    def _load_into(self, plain: dict[str, Any], state_dict: dict[str, Any], codes: dict) -> None:
         torch.optim.Optimizer.load_state_dict(self, plain)
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
