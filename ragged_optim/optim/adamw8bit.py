@@ -45,7 +45,7 @@ from ragged_optim.kernels import (
 )
 from ragged_optim.kernels.adamw8bit_ref import ieee_sqrt_
 from ragged_optim.optim.base import full_shape, is_dtensor, local, process_group, request_block_specs, scalar
-from ragged_optim.optim.muon import adamw_update_
+from ragged_optim.optim.muon import adamw_group_update_
 from ragged_optim.optim.optimizer import RaggedOptimizer, check_real, check_reals
 from ragged_optim.sharding import BlockSpec, shard_info
 from ragged_optim.sharding.owner_routes import balanced_owners, blocks_over_ranges, dtensor_local_ranges
@@ -501,17 +501,7 @@ class AdamW8bit(RaggedOptimizer):
                         pg = process_group(p)
                         cut.setdefault(id(pg), (pg, []))[1].append(item)
                 else:
-                    b1, b2 = group["betas"]
-                    adamw_update_(
-                        local(p),
-                        local(grad),
-                        self.state[p],
-                        lr=scalar(group["lr"]),
-                        beta1=b1,
-                        beta2=b2,
-                        eps=group["eps"],
-                        weight_decay=group["weight_decay"],
-                    )
+                    adamw_group_update_(p, grad, self.state[p], group)
         for pg, items in cut.values():
             self._cut_blocks(pg, items)
         return loss

@@ -123,6 +123,22 @@ def adamw_update_(
     p.addcdiv_(exp_avg, denom, value=-step_size)
 
 
+def adamw_group_update_(p: Tensor, grad: Tensor, state: dict, group: dict) -> None:
+    """:func:`adamw_update_` with the hyperparameters of an AdamW param group (``lr``, ``betas``, ``eps``,
+    ``weight_decay``), on this rank's local elements of ``p`` and ``grad``."""
+    beta1, beta2 = group["betas"]
+    adamw_update_(
+        local(p),
+        local(grad),
+        state,
+        lr=scalar(group["lr"]),
+        beta1=beta1,
+        beta2=beta2,
+        eps=group["eps"],
+        weight_decay=group["weight_decay"],
+    )
+
+
 class Muon(RaggedOptimizer):
     """Muon (MomentUm Orthogonalized by Newton-Schulz) for matrices, AdamW for the rest.
 
@@ -509,17 +525,7 @@ class Muon(RaggedOptimizer):
                 if group["use_muon"]:
                     items.append(MuonItem(p, self._local_muon_update(local(p), local(grad), group, key=p), group))
                 else:
-                    beta1, beta2 = group["betas"]
-                    adamw_update_(
-                        local(p),
-                        local(grad),
-                        self.state[p],
-                        lr=scalar(group["lr"]),
-                        beta1=beta1,
-                        beta2=beta2,
-                        eps=group["eps"],
-                        weight_decay=group["weight_decay"],
-                    )
+                    adamw_group_update_(p, grad, self.state[p], group)
         if items:
             for item, ortho in zip(items, self._orthogonalize_updates(items)):
                 self._apply_muon_update(item, ortho)
