@@ -41,21 +41,33 @@ def _root(vocab: int, hidden: int, tied: bool = False) -> Unit:
     return Unit("root", tuple(params))
 
 
-def _llama(hidden: int, inter: int, heads: int, kv_heads: int, layers: int, vocab: int, head_dim: int = 128):
-    q, kv = heads * head_dim, kv_heads * head_dim
-    block = (
+def _layer(i: int, block) -> Unit:
+    """Transformer block ``i`` as one unit: its params ``(name, shape)`` prefixed with ``layers.{i}.``."""
+    return Unit(f"layers.{i}", tuple((f"layers.{i}.{n}", s) for n, s in block))
+
+
+def _gqa_attention(hidden: int, q: int, kv: int):
+    """Grouped-query attention projections (no biases): ``q`` query features, ``kv`` key/value features."""
+    return (
         ("self_attn.q_proj.weight", (q, hidden)),
         ("self_attn.k_proj.weight", (kv, hidden)),
         ("self_attn.v_proj.weight", (kv, hidden)),
         ("self_attn.o_proj.weight", (hidden, q)),
+    )
+
+
+def _block_norms(hidden: int):
+    return (("input_layernorm.weight", (hidden,)), ("post_attention_layernorm.weight", (hidden,)))
+
+
+def _llama(hidden: int, inter: int, heads: int, kv_heads: int, layers: int, vocab: int, head_dim: int = 128):
+    mlp = (
         ("mlp.gate_proj.weight", (inter, hidden)),
         ("mlp.up_proj.weight", (inter, hidden)),
         ("mlp.down_proj.weight", (hidden, inter)),
-        ("input_layernorm.weight", (hidden,)),
-        ("post_attention_layernorm.weight", (hidden,)),
     )
-    units = [Unit(f"layers.{i}", tuple((f"layers.{i}.{n}", s) for n, s in block)) for i in range(layers)]
-    return [*units, _root(vocab, hidden)]
+    block = _gqa_attention(hidden, heads * head_dim, kv_heads * head_dim) + mlp + _block_norms(hidden)
+    return [*(_layer(i, block) for i in range(layers)), _root(vocab, hidden)]
 
 
 def _gpt_oss(layers: int, experts: int):
@@ -77,11 +89,8 @@ def _gpt_oss(layers: int, experts: int):
         ("mlp.experts.gate_up_proj_bias", (experts, 2 * inter)),
         ("mlp.experts.down_proj", (experts, hidden, inter)),
         ("mlp.experts.down_proj_bias", (experts, hidden)),
-        ("input_layernorm.weight", (hidden,)),
-        ("post_attention_layernorm.weight", (hidden,)),
-    )
-    units = [Unit(f"layers.{i}", tuple((f"layers.{i}.{n}", s) for n, s in block)) for i in range(layers)]
-    return [*units, _root(vocab, hidden)]
+    ) + _block_norms(hidden)
+    return [*(_layer(i, block) for i in range(layers)), _root(vocab, hidden)]
 
 
 def _deepseek_v3():
@@ -112,33 +121,22 @@ def _deepseek_v3():
         ("mlp.shared_experts.up_proj.weight", (moe_inter, hidden)),
         ("mlp.shared_experts.down_proj.weight", (hidden, moe_inter)),
     )
-    norms = (("input_layernorm.weight", (hidden,)), ("post_attention_layernorm.weight", (hidden,)))
-    units = []
-    for i in range(layers):
-        block = attn + (dense if i < dense_layers else moe) + norms
-        units.append(Unit(f"layers.{i}", tuple((f"layers.{i}.{n}", s) for n, s in block)))
+    units = [_layer(i, attn + (dense if i < dense_layers else moe) + _block_norms(hidden)) for i in range(layers)]
     return [*units, _root(vocab, hidden)]
 
 
 def _qwen3_moe(hidden: int, layers: int, experts: int, moe_inter: int, heads: int, kv_heads: int, vocab: int):
     head_dim = 128
-    q, kv = heads * head_dim, kv_heads * head_dim
-    block = (
-        ("self_attn.q_proj.weight", (q, hidden)),
-        ("self_attn.k_proj.weight", (kv, hidden)),
-        ("self_attn.v_proj.weight", (kv, hidden)),
-        ("self_attn.o_proj.weight", (hidden, q)),
+    rest = (
         ("self_attn.q_norm.weight", (head_dim,)),
         ("self_attn.k_norm.weight", (head_dim,)),
         ("mlp.gate.weight", (experts, hidden)),
         ("mlp.experts.gate_proj", (experts, moe_inter, hidden)),
         ("mlp.experts.up_proj", (experts, moe_inter, hidden)),
         ("mlp.experts.down_proj", (experts, hidden, moe_inter)),
-        ("input_layernorm.weight", (hidden,)),
-        ("post_attention_layernorm.weight", (hidden,)),
     )
-    units = [Unit(f"layers.{i}", tuple((f"layers.{i}.{n}", s) for n, s in block)) for i in range(layers)]
-    return [*units, _root(vocab, hidden)]
+    block = _gqa_attention(hidden, heads * head_dim, kv_heads * head_dim) + rest + _block_norms(hidden)
+    return [*(_layer(i, block) for i in range(layers)), _root(vocab, hidden)]
 
 
 MODELS: dict[str, Callable[[], list[Unit]]] = {
