@@ -35,6 +35,7 @@ class _Tracker:
         self.recording = True
         self.touched: list[FlatUnit] = []
         self.callback_queued = False
+        self.synced: set[int] = set()  # ids of the units checked against their sharded params this forward
 
 
 _TRACKER = _Tracker()
@@ -301,9 +302,15 @@ def _pre_forward(module, args, kwargs):
     unit: FlatUnit = getattr(module, _UNIT_ATTR)
     tr = _TRACKER
     # The outermost unit checks every unit under it before any state changes, so a bad param leaves no half-done
-    # iteration behind; an inner unit rechecks itself (cheap) in case it lives outside the root's module tree.
-    for u in units_of(module) if tr.depth == 0 else [unit]:
-        u.sync_with_sharded_params()
+    # iteration behind; an inner unit checks itself only when it lives outside the root's module tree.
+    if tr.depth == 0:
+        under = units_of(module)
+        for u in under:
+            u.sync_with_sharded_params()
+        tr.synced = {id(u) for u in under}
+    elif id(unit) not in tr.synced:
+        unit.sync_with_sharded_params()
+        tr.synced.add(id(unit))
     unit.is_root = tr.depth == 0
     if unit.is_root:  # the outermost unit of this forward: a new iteration starts
         for u in tr.units:
