@@ -31,6 +31,8 @@ the reference and the production path alike.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -61,6 +63,7 @@ def resolve_ns_matmul(matmul: str, dtype: torch.dtype, device: torch.device | st
     return "native" if _cpu_has_lowp_gemm(dtype) else "upcast"
 
 
+@functools.cache  # asked on every newton_schulz call; the answer is fixed for the process
 def _cpu_has_lowp_gemm(dtype: torch.dtype) -> bool:
     if not torch.backends.mkldnn.is_available():
         return False
