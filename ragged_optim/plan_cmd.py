@@ -176,6 +176,27 @@ def _ratio(x) -> str:
     return "-" if x is None else f"{x:.3f}"
 
 
+# What each column of the table means: printed under the table and in `plan --help`.
+COLUMNS = (
+    ("unit", "an FSDP unit (one fully_shard call); units with the same params share a row"),
+    ("x", "how many units that row stands for"),
+    ("S (elems)", "elements each rank holds of the unit's flat buffer (W * S in all, padding included)"),
+    ("padding", "padding elements / real elements, RaggedShard (this plan)"),
+    ("fsdp2 pad", "the same for FSDP2's even Shard(0) rows under the same block constraint"),
+    ("split blk", "blocks a rank boundary cuts: gathered to one owner rank, computed there, scattered back"),
+    ("split bytes", "bytes of those cut blocks that travel to and from their owners each step"),
+    ("split %", "split bytes / all bytes of the unit"),
+    ("load max/mean", "real elements on the fullest rank / the mean over ranks (1.000: even)"),
+    ("NS max/mean", "Newton-Schulz work (m*n*min(m,n)) of the busiest owner / the mean (Muon only; - otherwise)"),
+    ("seconds", "planner time for those units"),
+)
+
+
+def columns_legend() -> str:
+    width = max(len(name) for name, _ in COLUMNS)
+    return "columns:\n" + "\n".join(f"  {name:<{width}}  {text}" for name, text in COLUMNS)
+
+
 def print_table(summary: dict, itemsize: int, out=None) -> None:
     out = out or sys.stdout
     head = (
@@ -205,6 +226,7 @@ def print_table(summary: dict, itemsize: int, out=None) -> None:
         file=out,
     )
     print(f"overhead (padding + split bytes): {_pct(s['padding_ratio'] + s['split_bytes_ratio'])}", file=out)
+    print(columns_legend(), file=out)
 
 
 def cmd_plan(args) -> int:
@@ -231,6 +253,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "plan",
         help="plan the RaggedShard layout of a model and report padding, split blocks and balance",
         description=__doc__,
+        epilog=columns_legend(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     # One source of the model: --module silently won over --model before.

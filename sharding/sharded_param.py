@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -12,6 +13,8 @@ if TYPE_CHECKING:
     from ragged_optim.sharding.flat_unit import FlatUnit
 
 _INFO_ATTR = "_ragged_shard"
+# Every unit that has sharded a param, so full_tensor can recognise a sharded param's .grad (a plain 1-D tensor).
+_LIVE_UNITS: weakref.WeakSet = weakref.WeakSet()
 
 
 @dataclass
@@ -22,6 +25,9 @@ class ShardInfo:
     unit: FlatUnit
     index: int  # the tensor's index in unit.layout
     name: str  # the parameter's name inside the unit's module
+
+    def __post_init__(self) -> None:
+        _LIVE_UNITS.add(self.unit)
 
     @property
     def shape(self) -> torch.Size:
@@ -48,19 +54,36 @@ def is_ragged_sharded(param: torch.Tensor) -> bool:
 def full_tensor(param: torch.Tensor) -> torch.Tensor:
     """The full, unsharded value of a parameter (a collective on its unit's group: call it on every rank).
 
-    Plain tensors come back as they are; torch DTensors through ``full_tensor()``."""
+    Plain tensors come back as they are; torch DTensors through ``full_tensor()``. A sharded param's ``.grad`` is
+    recognised and gathered as ``full_grad(param)`` does (it is a plain 1-D tensor, the local piece of the grad)."""
     info = shard_info(param)
     if info is None:
         if hasattr(param, "full_tensor"):
             return param.full_tensor()
+        owner = _grad_owner(param)
+        if owner is not None:
+            return full_grad(owner)
         return param.detach()
     return info.unit.gather_full(info.index, param.detach())
 
 
 def full_grad(param: torch.Tensor) -> torch.Tensor | None:
-    """The full gradient of a sharded parameter (a collective), or None when it has none on every rank."""
+    """The full gradient of a parameter (a collective on its unit's group: call it on every rank), or None when a
+    plain param has none. A sharded param with no grad on this rank contributes zeros. Works for ragged-sharded
+    params, torch DTensor params and plain ones alike."""
     info = shard_info(param)
     if info is None:
         return None if param.grad is None else full_tensor(param.grad)
     local = param.grad if param.grad is not None else torch.zeros_like(param)
     return info.unit.gather_full(info.index, local.detach())
+
+
+def _grad_owner(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The sharded param whose ``.grad`` is ``tensor`` (the same object), or None."""
+    if tensor.dim() != 1:
+        return None
+    for unit in list(_LIVE_UNITS):
+        for sp in getattr(unit, "sharded_params", ()):
+            if sp.grad is tensor:
+                return sp
+    return None

@@ -28,31 +28,54 @@ __all__ = [
 ]
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The module docstring as written, and every option's default after its help."""
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     d = TrainConfig()
+    lrs = ", ".join(f"{name} {OPTIMIZERS[name].default_lr:g}" for name in sorted(OPTIMIZERS))
     p = subparsers.add_parser(
         "train",
         help="train the small GPT with FSDP and a chosen optimizer",
         description=loop.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
-    p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default=d.optimizer)
-    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument(
+        "--optimizer",
+        choices=sorted(OPTIMIZERS),
+        default=d.optimizer,
+        help="muon: Muon on hidden matrices, AdamW on the rest; shampoo: blocked Shampoo; adamw8bit: 8-bit AdamW; "
+        "adamw: torch's AdamW",
+    )
+    p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps in all (a resumed run stops here too)")
     p.add_argument("--world-size", type=int, default=d.world_size, help="local gloo ranks (ignored under torchrun)")
     p.add_argument("--preset", default=d.preset, help="model preset: tiny, small, bench20m")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="global batch size (sequences per step)")
-    p.add_argument("--seq-len", type=int, default=None, help="override the preset's sequence length")
-    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the optimizer's)")
-    p.add_argument("--warmup-steps", type=int, default=None)
-    p.add_argument("--checkpoint-dir", default=None)
-    p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every)
+    p.add_argument("--seq-len", type=int, default=None, help="sequence length (None: the preset's)")
+    p.add_argument("--lr", type=float, default=None, help=f"peak learning rate (None: the optimizer's: {lrs})")
+    p.add_argument(
+        "--warmup-steps", type=int, default=None, help="linear warmup steps, then cosine decay (None: min(20, steps/10))"
+    )
+    p.add_argument("--checkpoint-dir", default=None, help="folder for checkpoints (None: no checkpoints)")
+    p.add_argument(
+        "--checkpoint-every", type=int, default=d.checkpoint_every, help="steps between checkpoints (and the last)"
+    )
     p.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
-    p.add_argument("--out", default=d.out, help="folder for summary.json and loss.png")
-    p.add_argument("--fsdp", choices=FSDP_KINDS, default=d.fsdp, help="'none': one unsharded process")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--eval-batches", type=int, default=d.eval_batches)
+    p.add_argument(
+        "--out", default=d.out, help="folder for summary.json and loss.png (None: runs/<optimizer>-w<W>-<timestamp>)"
+    )
+    p.add_argument("--fsdp", choices=FSDP_KINDS, default=d.fsdp, help="ours: RaggedShard; torch: FSDP2; none: one process")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of the model's init and of the batches")
+    p.add_argument(
+        "--eval-batches", type=int, default=d.eval_batches, help="validation batches per evaluation (0: no validation)"
+    )
+    p.add_argument(
+        "--eval-every", type=int, default=d.eval_every, help="steps between validation losses (0: only after the last)"
+    )
+    p.add_argument("--log-scale", action="store_true", help="loss.png with a log-scale loss axis")
     p.add_argument("--timeout", type=float, default=d.timeout_s, help="seconds before a stuck run is aborted")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr (for logs and CI)")
     p.set_defaults(func=main_from_args)
     return p
 
@@ -74,6 +97,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         fsdp=args.fsdp,
         seed=args.seed,
         eval_batches=args.eval_batches,
+        eval_every=args.eval_every,
+        log_scale=args.log_scale,
         timeout_s=args.timeout,
         progress=not args.no_progress,
     )
@@ -83,7 +108,8 @@ def main_from_args(args: argparse.Namespace) -> int:
     summary = run(config_from_args(args))
     if summary is not None:
         print(format_summary(summary))
-        print(f"wrote {os.path.join(args.out, 'summary.json')} and {os.path.join(args.out, 'loss.png')}")
+        out = summary["out"]
+        print(f"wrote {os.path.join(out, 'summary.json')} and {os.path.join(out, 'loss.png')}")
     return 0
 
 

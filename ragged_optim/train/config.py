@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+import time
 from dataclasses import dataclass, field
 
 from ragged_optim.cli import UsageError
@@ -31,10 +33,12 @@ class TrainConfig:
     checkpoint_every: int = 100
     keep_checkpoints: int = 2
     resume: bool = False
-    out: str = "runs/train"
+    out: str | None = None  # None: runs/<optimizer>-w<W>-<timestamp>/ (run_folder)
     fsdp: str = "ours"
     seed: int = 0
     eval_batches: int = 4
+    eval_every: int = 50  # steps between validation losses (0: only after the last step)
+    log_scale: bool = False  # loss.png's loss axis
     timeout_s: float = 3600.0
     progress: bool = True
     extra: dict = field(default_factory=dict)
@@ -77,6 +81,8 @@ class TrainConfig:
             )
         if self.eval_batches < 0:
             raise ConfigError(f"--eval-batches must be >= 0 (0 skips the validation loss), got {self.eval_batches}")
+        if self.eval_every < 0:
+            raise ConfigError(f"--eval-every must be >= 0 (0: evaluate only after the last step), got {self.eval_every}")
         if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
             raise ConfigError(f"--timeout must be a finite number of seconds > 0, got {self.timeout_s}")
         if self.resume and not self.checkpoint_dir:
@@ -89,6 +95,19 @@ class TrainConfig:
     def model_config(self):
         overrides = {} if self.seq_len is None else {"seq_len": self.seq_len}
         return get_config(self.preset, **overrides)
+
+
+def run_folder(cfg: TrainConfig, world_size: int, root: str = "runs") -> str:
+    """Where a run writes summary.json and loss.png: ``--out`` if given, else a folder of its own,
+    ``runs/<optimizer>-w<W>-<YYYYmmdd-HHMMSS>`` (``-2``, ``-3``, ... if a run of the same second has it)."""
+    if cfg.out:
+        return cfg.out
+    base = os.path.join(root, f"{cfg.optimizer}-w{world_size}-{time.strftime('%Y%m%d-%H%M%S')}")
+    path, n = base, 1
+    while os.path.exists(path):
+        n += 1
+        path = f"{base}-{n}"
+    return path
 
 
 def lr_multiplier(step: int, steps: int, warmup: int) -> float:

@@ -4,12 +4,15 @@ Launch: under torchrun (RANK and WORLD_SIZE set) each process is one rank (NCCL 
 ``--world-size`` gloo ranks are forked on this machine's CPUs. ``--fsdp none`` trains one plain process: the
 reference that sharded runs must match (same seed, same global batches, same losses).
 
-Rank 0 shows a one-line progress bar on stderr and, at the end, prints a summary and writes ``<out>/summary.json``
-and ``<out>/loss.png``.
+Each run writes to a folder of its own, ``runs/<optimizer>-w<W>-<timestamp>/`` (or ``--out DIR``), printed at the
+start. Rank 0 shows a one-line progress bar on stderr, computes the validation loss every ``--eval-every`` steps and
+after the last one, and at the end prints a summary and writes ``<out>/summary.json`` and ``<out>/loss.png`` (train
+and validation curves). A resumed run (``--resume``) reports the step it resumed from and the loss there.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -25,7 +28,7 @@ from ragged_optim.data import get_batch, load_corpus
 from ragged_optim.models import GPT, build_model, num_params
 from ragged_optim.train.accounting import optimizer_state_bytes, param_bytes
 from ragged_optim.train.checkpointing import Checkpointer, latest_checkpoint
-from ragged_optim.train.config import ConfigError, TrainConfig, lr_multiplier
+from ragged_optim.train.config import ConfigError, TrainConfig, lr_multiplier, run_folder
 from ragged_optim.train.loss_plot import write_loss_png
 from ragged_optim.train.optimizers import OPTIMIZERS, make_optimizer
 from ragged_optim.train.progress import Progress
@@ -53,6 +56,17 @@ def _mean_over_ranks(x: torch.Tensor, world_size: int) -> torch.Tensor:
     return x
 
 
+@torch.no_grad()
+def _val_loss(model, cfg: TrainConfig, mcfg, rank: int, world_size: int, device) -> float:
+    """The validation loss over ``cfg.eval_batches`` fixed batches, averaged over ranks. Every rank must call it:
+    each forward of a sharded model is a collective."""
+    val = torch.zeros((), device=device)
+    for i in range(cfg.eval_batches):
+        x, y = get_batch("val", cfg.batch_size, mcfg.seq_len, i, rank, world_size, cfg.seed)
+        val += model(x.to(device), y.to(device)).detach()
+    return _mean_over_ranks(val / cfg.eval_batches, world_size).item()
+
+
 def train_rank(rank: int, world_size: int, cfg: TrainConfig, device: str | torch.device = "cpu") -> dict | None:
     """Train on this rank (the default process group is initialised when world_size > 1). Rank 0 returns the
     summary dict and writes ``<out>/summary.json`` and ``<out>/loss.png``; other ranks return None."""
@@ -72,7 +86,7 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig, device: str | torch
     ckpt = (
         Checkpointer(cfg.checkpoint_dir, fsdp, rank, world_size, cfg.keep_checkpoints) if cfg.checkpoint_dir else None
     )
-    start, losses = 0, []
+    start, losses, val_points = 0, [], []
     if cfg.resume and ckpt is not None:
         path = latest_checkpoint(cfg.checkpoint_dir)
         if path is None:
@@ -81,6 +95,7 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig, device: str | torch
         else:
             meta = ckpt.load(path, model, opt)
             start, losses = meta["step"], list(meta.get("losses", []))
+            val_points = [tuple(v) for v in meta.get("val_losses", [])]
             if start > cfg.steps:  # every rank loads the same meta, so all raise: no hang
                 raise ConfigError(_past_steps_message(path, start, cfg.steps))
             if rank == 0:
@@ -108,19 +123,19 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig, device: str | torch
         losses.append(loss_avg)
         done = step + 1
         progress.update(done, loss_avg, tokens_per_step * (done - start) / max(train_time, 1e-9))
+        if cfg.eval_batches and cfg.eval_every and done % cfg.eval_every == 0 and done < cfg.steps:
+            val_points.append((done, _val_loss(model, cfg, mcfg, rank, world_size, device)))
         if ckpt is not None and (done % cfg.checkpoint_every == 0 or done == cfg.steps):
-            ckpt.save(done, model, opt, {"losses": losses, "seed": cfg.seed, "optimizer": cfg.optimizer})
+            meta = {"losses": losses, "val_losses": val_points, "seed": cfg.seed, "optimizer": cfg.optimizer}
+            ckpt.save(done, model, opt, meta)
     progress.close()
     steps_run = cfg.steps - start
 
     # Measured before evaluation: FSDP keeps the root unit unsharded after a forward with no backward.
     mem = [param_bytes(model), optimizer_state_bytes(opt)]
-    with torch.no_grad():
-        val = torch.zeros((), device=device)
-        for i in range(cfg.eval_batches):
-            x, y = get_batch("val", cfg.batch_size, mcfg.seq_len, i, rank, world_size, cfg.seed)
-            val += model(x.to(device), y.to(device)).detach()
-        val_loss = _mean_over_ranks(val / max(1, cfg.eval_batches), world_size).item() if cfg.eval_batches else None
+    val_loss = _val_loss(model, cfg, mcfg, rank, world_size, device) if cfg.eval_batches else None
+    if val_loss is not None and (not val_points or val_points[-1][0] != cfg.steps):
+        val_points.append((cfg.steps, val_loss))
 
     if world_size > 1:
         gathered: list[Any] = [None] * world_size
@@ -131,7 +146,11 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig, device: str | torch
         return None
 
     per_step = max(1, steps_run)
+    out = run_folder(cfg, world_size)
+    # A resumed run starts from the loss at the checkpoint's step (losses[start - 1]), not step 1 of the first run.
+    first = start - 1 if start else 0
     summary = {
+        "out": out,
         "optimizer": cfg.optimizer,
         "fsdp": fsdp,
         "fsdp_requested": cfg.fsdp,
@@ -141,14 +160,17 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig, device: str | torch
         "device": str(device),
         "steps": cfg.steps,
         "start_step": start,
+        "resumed": start > 0,
         "batch_size": cfg.batch_size,
         "seq_len": mcfg.seq_len,
         "lr": cfg.lr if cfg.lr is not None else OPTIMIZERS[cfg.optimizer].default_lr,
         "seed": cfg.seed,
-        "initial_train_loss": losses[0] if losses else None,
+        "initial_train_loss_step": first + 1 if len(losses) > first else None,
+        "initial_train_loss": losses[first] if len(losses) > first else None,
         "final_train_loss": losses[-1] if losses else None,
         "final_train_loss_avg10": sum(losses[-10:]) / len(losses[-10:]) if losses else None,
         "val_loss": val_loss,
+        "val_losses": [list(v) for v in val_points],
         "tokens_per_s": tokens_per_step * steps_run / train_time if train_time > 0 else None,
         "train_time_s": train_time,
         "comm_bytes_per_step": counter.total_bytes / per_step,
@@ -161,11 +183,14 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig, device: str | torch
         "optimizer_state_bytes_per_rank": [g[1] for g in gathered],
         "losses": losses,
     }
-    os.makedirs(cfg.out, exist_ok=True)
-    with open(os.path.join(cfg.out, "summary.json"), "w") as f:
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
-    title = f"{cfg.preset} / {cfg.optimizer} / fsdp {fsdp} / {world_size} ranks"
-    write_loss_png(os.path.join(cfg.out, "loss.png"), losses, val_loss, title)
+    title = (
+        f"{cfg.preset} GPT ({n_params / 1e6:.2f}M params), {cfg.optimizer}, "
+        f"world size {world_size} (fsdp {fsdp}), batch {cfg.batch_size} x {mcfg.seq_len}"
+    )
+    write_loss_png(os.path.join(out, "loss.png"), losses, val_points, title, cfg.log_scale, start or None)
     return summary
 
 
@@ -213,8 +238,12 @@ def run(cfg: TrainConfig) -> dict | None:
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world_size = int(os.environ["WORLD_SIZE"]) if torchrun else cfg.world_size
     cfg.validate(world_size)  # in the parent: bad input is an error here, not a traceback from every rank
-    if _already_done(cfg, announce=not torchrun or os.environ["RANK"] == "0"):
+    rank0 = not torchrun or os.environ["RANK"] == "0"
+    if _already_done(cfg, announce=rank0):
         return None
+    cfg = dataclasses.replace(cfg, out=run_folder(cfg, world_size))  # fixed here, so every rank (forked ones too) names the same folder
+    if rank0:
+        print(f"run folder: {cfg.out}", file=sys.stderr, flush=True)
     if torchrun:
         return _run_torchrun(cfg)
     load_corpus()  # read once here; forked ranks inherit it
@@ -260,9 +289,12 @@ def format_summary(s: dict) -> str:
     val = "skipped (--eval-batches 0)" if s.get("val_loss") is None else num("val_loss")
     lines = [
         f"trained {s.get('preset')} ({num('n_params', ',')} params) with {s.get('optimizer')}, fsdp {s.get('fsdp')}, "
-        f"{s.get('world_size')} rank(s), steps {start}..{steps}",
-        f"  train loss {num('initial_train_loss')} -> {num('final_train_loss')} "
-        f"(last-10 mean {num('final_train_loss_avg10')}), val loss {val}",
+        f"{s.get('world_size')} rank(s), steps {start + 1}..{steps}"
+        + (f" (resumed from the step-{start} checkpoint)" if s.get("resumed") else ""),
+        f"  train loss {num('initial_train_loss')} at step {s.get('initial_train_loss_step')}"
+        + (" (resumed there)" if s.get("resumed") else "")
+        + f" -> {num('final_train_loss')} at step {steps} (last-10 mean {num('final_train_loss_avg10')}), "
+        f"val loss {val}",
     ]
     if trained and s.get("tokens_per_s") is not None:
         lines += [
