@@ -55,7 +55,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--seq-len", type=int, default=None, help="sequence length (None: the preset's)")
     p.add_argument("--lr", type=float, default=None, help=f"peak learning rate (None: the optimizer's: {lrs})")
     p.add_argument(
-        "--warmup-steps", type=int, default=None, help="linear warmup steps, then cosine decay (None: min(20, steps/10))"
+        "--warmup-steps",
+        type=int,
+        default=None,
+        help="linear warmup steps, then cosine decay (None: min(20, steps // 10))",
     )
     p.add_argument("--checkpoint-dir", default=None, help="folder for checkpoints (None: no checkpoints)")
     p.add_argument(
@@ -65,7 +68,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument(
         "--out", default=d.out, help="folder for summary.json and loss.png (None: runs/<optimizer>-w<W>-<timestamp>)"
     )
-    p.add_argument("--fsdp", choices=FSDP_KINDS, default=d.fsdp, help="ours: RaggedShard; torch: FSDP2; none: one process")
+    p.add_argument(
+        "--fsdp", choices=FSDP_KINDS, default=d.fsdp, help="ours: RaggedShard; torch: FSDP2; none: one process"
+    )
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the model's init and of the batches")
     p.add_argument(
         "--eval-batches", type=int, default=d.eval_batches, help="validation batches per evaluation (0: no validation)"

@@ -82,7 +82,7 @@ class TrainConfig:
         if self.eval_batches < 0:
             raise ConfigError(f"--eval-batches must be >= 0 (0 skips the validation loss), got {self.eval_batches}")
         if self.eval_every < 0:
-            raise ConfigError(f"--eval-every must be >= 0 (0: evaluate only after the last step), got {self.eval_every}")
+            raise ConfigError(f"--eval-every must be >= 0 (0: only after the last step), got {self.eval_every}")
         if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
             raise ConfigError(f"--timeout must be a finite number of seconds > 0, got {self.timeout_s}")
         if self.resume and not self.checkpoint_dir:

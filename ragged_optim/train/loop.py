@@ -241,7 +241,8 @@ def run(cfg: TrainConfig) -> dict | None:
     rank0 = not torchrun or os.environ["RANK"] == "0"
     if _already_done(cfg, announce=rank0):
         return None
-    cfg = dataclasses.replace(cfg, out=run_folder(cfg, world_size))  # fixed here, so every rank (forked ones too) names the same folder
+    # the folder is fixed here, so forked ranks inherit one name
+    cfg = dataclasses.replace(cfg, out=run_folder(cfg, world_size))
     if rank0:
         print(f"run folder: {cfg.out}", file=sys.stderr, flush=True)
     if torchrun:
