@@ -105,10 +105,40 @@ def test_cli_all_writes_json_and_markdown(monkeypatch, capsys, tmp_path):
     rc = main(["bench", "all", "--world-size", "3", "--steps", "2", "--json", "--out", str(tmp_path)])
     assert rc == 0
     obj = json.loads(capsys.readouterr().out)
+    machine = obj.pop("machine")
     assert obj == {"fsdp": {"step_time_ratio": 0.5, "world_size": 3}, "muon": {"speedup": 9.0, "steps": 2}}
-    assert json.loads((tmp_path / "latest.json").read_text()) == obj
+    assert json.loads((tmp_path / "latest.json").read_text()) == {"machine": machine, **obj}
+    # what the figures were measured on: the CPU, its flags that matter, ATen's level, ns_matmul's choice
+    assert {"cpu_model", "cpu_flags", "aten_cpu_capability", "ns_matmul_auto_bf16_cpu", "torch"} <= machine.keys()
+    assert machine["ns_matmul_auto_bf16_cpu"] in ("native", "upcast")
     md = (tmp_path / "latest.md").read_text()
     assert "CPUs" in md and "torch" in md and "## fsdp" in md and "| speedup | 9 |" in md
+    assert str(machine["cpu_model"]) in md and "ns_matmul=auto -> " + machine["ns_matmul_auto_bf16_cpu"] in md
+
+
+def test_cpu_description_reads_the_flags_that_matter():
+    """Before, bench all recorded only the CPU count (checked: this test failed on the import)."""
+    from ragged_optim.bench.common import cpu_description
+
+    info = "processor\t: 0\nmodel name\t: AMD EPYC 9654\nflags\t\t: fpu avx2 avx512f avx512_bf16 sse\n"
+    d = cpu_description(info)
+    assert d["cpu_flags"] == ["avx2", "avx512f", "avx512_bf16"]
+    assert d["cpu_model"] == "AMD EPYC 9654"
+    assert cpu_description("")["cpu_flags"] is None
+
+
+def test_loss_ratios_are_means_over_seeds_with_their_spread():
+    """Before: one seed, one ratio, no spread (checked: run() took no ``seeds``)."""
+    from ragged_optim.bench import adamw8bit, comm
+
+    c = comm.run(world_size=2, steps=2, preset="tiny", batch_size=4, seeds=2)
+    for name in ("int8", "bf16"):
+        stats = c[f"loss_ratio_{name}_vs_fp32_seeds"]
+        assert len(stats["per_seed"]) == 2 and stats["per_seed"][0] != stats["per_seed"][1]
+        assert c[f"loss_ratio_{name}_vs_fp32"] == pytest.approx(sum(stats["per_seed"]) / 2)
+        assert c[f"loss_ratio_{name}_vs_fp32_seed_std"] == stats["seed_std"] > 0
+    a = adamw8bit.run(world_size=2, steps=2, torchao=False, seeds=2)
+    assert len(a["loss_ratio_vs_fp32_seeds"]["per_seed"]) == 2 and a["loss_ratio_vs_fp32_seed_std"] > 0
 
 
 def test_cli_table_and_unknown(monkeypatch, capsys):

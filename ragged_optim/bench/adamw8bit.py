@@ -5,7 +5,10 @@
 and compares it with
 
 - fp32 ``torch.optim.AdamW`` (one process, same global batches, same hyperparameters): ``loss_ratio_vs_fp32`` is
-  the ratio of the validation losses after the same number of steps;
+  the ratio of the validation losses after the same number of steps, the mean over ``seeds`` seeds (init and
+  batches) with the seed-to-seed spread beside it (``loss_ratio_vs_fp32_seed_std``, ``loss_ratio_vs_fp32_seeds``).
+  Seed 0 is the sharded run; further seeds train AdamW8bit in one process (the optimizer's sharded step equals the
+  one-process step bit for bit: ``max_abs_diff_sharded_vs_unsharded``);
 - a one-process AdamW8bit replay fed the sharded run's full gradients step by step: ``max_abs_diff_sharded_vs_
   unsharded`` is the largest difference of any param after the run (0.0 means bit-identical);
 - torchao's ``AdamW8bit`` on torch FSDP2 (when importable): ``opt_step_s_ratio_vs_torchao`` is our median
@@ -25,6 +28,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from ragged_optim.bench.common import seed_stats
 
 BETAS = (0.9, 0.95)
 EPS = 1e-8
@@ -198,6 +203,7 @@ def run(
     torchao: bool = True,
     torchao_steps: int = 8,
     torchao_timeout_s: float = 240.0,
+    seeds: int = 3,
 ) -> dict[str, Any]:
     """The AdamW8bit benchmark (see the module docstring). Keys: ``state_bytes_per_param``,
     ``fp32_adamw_state_bytes_per_param``, ``loss_ratio_vs_fp32``, ``max_abs_diff_sharded_vs_unsharded``,
@@ -213,6 +219,14 @@ def run(
     fp32 = _one_process(kind="fp32", fsdp="none", **common)
     replay = _replay(ours["grads"], steps=steps, preset=preset, lr=lr, seed=seed)
     diff = max((ours["params"][n] - replay[n]).abs().max().item() for n in replay)
+    ratios = [ours["val_loss"] / fp32["val_loss"]]
+    for extra in range(seed + 1, seed + seeds):
+        kw = dict(common, seed=extra)
+        ratios.append(
+            _one_process(kind="ours", fsdp="none", **kw)["val_loss"]
+            / _one_process(kind="fp32", fsdp="none", **kw)["val_loss"]
+        )
+    ratio = seed_stats(ratios)
     result: dict[str, Any] = {
         "world_size": world_size,
         "steps": steps,
@@ -224,7 +238,9 @@ def run(
         "fp32_adamw_state_bytes_per_param": 8.0,
         "val_loss": ours["val_loss"],
         "fp32_val_loss": fp32["val_loss"],
-        "loss_ratio_vs_fp32": ours["val_loss"] / fp32["val_loss"],
+        "loss_ratio_vs_fp32": ratio["mean"],
+        "loss_ratio_vs_fp32_seed_std": ratio["seed_std"],
+        "loss_ratio_vs_fp32_seeds": ratio,
         "train_loss_last10": statistics.fmean(ours["losses"][-10:]),
         "fp32_train_loss_last10": statistics.fmean(fp32["losses"][-10:]),
         "max_abs_diff_sharded_vs_unsharded": diff,

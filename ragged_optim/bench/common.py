@@ -33,13 +33,69 @@ def max_over_ranks(x: float, group=None) -> float:
     return float(t.item())
 
 
+#: CPU flags that decide our kernels' speed on a CPU: AVX2/AVX-512 for fp32 GEMMs, native bf16 (avx512_bf16,
+#: AMX) for torch's bf16 matmuls, which Muon's Newton-Schulz and bf16 mixed precision use.
+RELEVANT_CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def cpu_description(cpuinfo: str | None = None) -> dict:
+    """The CPU's model name and which of RELEVANT_CPU_FLAGS it has (from /proc/cpuinfo; None where unreadable)."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            cpuinfo = ""
+    model, flags = None, None
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and model is None:
+            model = value.strip()
+        elif key == "flags" and flags is None:
+            present = set(value.split())
+            flags = [f for f in RELEVANT_CPU_FLAGS if f in present]
+    return {"cpu_model": model or platform.processor() or None, "cpu_flags": flags}
+
+
 def machine_info() -> dict:
+    """What the figures were measured on: CPU model and flags, ATen's CPU kernel level, Newton-Schulz's matmul
+    choice for bf16 on this CPU (``ns_matmul="auto"``), thread and CPU counts, versions, date."""
+    from ragged_optim.kernels.newton_schulz import resolve_ns_matmul
+
     return {
+        **cpu_description(),
         "cpu_count": os.cpu_count(),
+        "aten_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "torch_bf16_gemm_native": resolve_ns_matmul("auto", torch.bfloat16, "cpu") == "native",
+        "ns_matmul_auto_bf16_cpu": resolve_ns_matmul("auto", torch.bfloat16, "cpu"),
+        "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+
+
+def machine_line(machine: dict) -> str:
+    flags = machine.get("cpu_flags")
+    flag_text = ", ".join(flags) if flags else "none of " + "/".join(RELEVANT_CPU_FLAGS)
+    return (
+        f"{machine.get('cpu_model')} ({machine['cpu_count']} CPUs; flags: {flag_text}; ATen "
+        f"{machine.get('aten_cpu_capability')}; Muon's bf16 Newton-Schulz ns_matmul=auto -> "
+        f"{machine.get('ns_matmul_auto_bf16_cpu')}), torch {machine['torch']}, Python {machine['python']}, "
+        f"{machine['platform']}; {machine['date']}"
+    )
+
+
+def seed_stats(values: list[float]) -> dict:
+    """Mean of a figure over seeds, with the seed-to-seed spread beside it: sample std, min, max, each value."""
+    return {
+        "mean": statistics.fmean(values),
+        "seed_std": statistics.stdev(values) if len(values) > 1 else None,
+        "min": min(values),
+        "max": max(values),
+        "per_seed": list(values),
     }
 
 
@@ -63,10 +119,7 @@ def format_table(result: dict, title: str | None = None) -> str:
 def markdown_report(results: dict, machine: dict) -> str:
     """Markdown of ``bench all``: the machine, then one key/value table per benchmark."""
     out = ["# ragged-optim benchmarks", ""]
-    out.append(
-        f"Machine: {machine['cpu_count']} CPUs, torch {machine['torch']}, Python {machine['python']}, "
-        f"{machine['platform']}; {machine['date']}."
-    )
+    out.append(f"Machine: {machine_line(machine)}.")
     out.append("")
     for name, res in results.items():
         out += [f"## {name}", "", "| key | value |", "|---|---|"]
