@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from noise_bounds import assert_within_reference
 
 from ragged_optim.bench import cli as bench_cli
 from ragged_optim.cli import main
@@ -62,7 +63,11 @@ def test_fsdp_keys_and_sanity(fsdp_result):
     assert r["ours_comm"]["calls"] == {"all_gather": 5, "reduce_scatter": 3}
     assert r["ours_bytes_per_step"] <= r["fsdp2_bytes_per_step"]
     assert r["ranks_agree_on_counts"]
-    assert r["param_max_abs_diff_vs_single"] <= 1e-5
+    # both FSDPs sum the same grads in gloo's order: FSDP2's distance, measured in the same run, bounds ours
+    # (plus 4 float32 ulps of 1.0, above the params' magnitude, in case FSDP2 rounds exactly as one process)
+    assert_within_reference(
+        r["param_max_abs_diff_vs_single"], r["fsdp2_param_max_abs_diff_vs_single"], 1.0, "bench fsdp vs one process"
+    )
 
 
 def test_muon_keys_and_sanity(muon_result):
@@ -79,7 +84,11 @@ def test_muon_keys_and_sanity(muon_result):
     assert 0 < r["ours_bytes_per_step"]
     assert r["ours_bytes_over_shard_wire_max"] <= 2.0
     assert 1.0 <= r["owner_compute_max_over_mean"] <= 1.5
-    assert r["max_rel_diff_vs_unsharded"] <= 1e-5  # fp32 Newton-Schulz: same math as one process
+    # fp32 Newton-Schulz, same math as one process; the grads differ by sum order: bounded by the one-process run's
+    # own gap between two batchings, measured in the same run
+    assert_within_reference(
+        r["max_rel_diff_vs_unsharded"], r["unsharded_batching_rel_diff"], 1.0, "bench muon vs one process"
+    )
     # bf16 Newton-Schulz is not compared: last-bit grad differences (gloo's sum order) flip bf16 roundings, and
     # over a few steps that reaches ~0.2 of the update even between two one-process runs (docs/benchmarks.md).
     assert math.isfinite(r["max_rel_diff_vs_unsharded_bfloat16"])

@@ -3,6 +3,7 @@
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from noise_bounds import assert_within_reference
 from torch import nn
 
 from ragged_optim.comm.counter import count_collectives
@@ -37,6 +38,20 @@ def one_process(shapes, seed, ns_dtype):
         model.bias.grad = gb
         opt.step()
     return [p.detach().clone() for p in model.parameters()]
+
+
+def reference(shapes, seed, ns_dtype):
+    """The one-process run with one thread, as each rank runs, and the gap allowed around it. Every rank gets the
+    same full grads and an owner computes each matrix whole with the same ops, so the only source of difference is
+    how a matmul splits its sums, which may depend on the thread count: the allowed gap is the one-process run's
+    own gap between one thread and this process's thread count, measured here (0.0 with one thread)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ref = one_process(shapes, seed, ns_dtype)
+    finally:
+        torch.set_num_threads(threads)
+    return ref, max_rel(one_process(shapes, seed, ns_dtype), ref)
 
 
 def _set_local_grads(model, shapes, step, seed, rank, world_size, kind):
@@ -85,9 +100,9 @@ def max_rel(a, b):
 @settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
 @given(shapes=st.lists(shape_st, min_size=1, max_size=4), world_size=st.integers(1, 6), seed=st.integers(0, 99))
 def test_ragged_muon_fp32_equals_one_process(shapes, world_size, seed):
-    ref = one_process(shapes, seed, torch.float32)
+    ref, gap = reference(shapes, seed, torch.float32)
     params, calls = run_on_ranks(sharded, world_size, shapes, seed, torch.float32, "ragged")[0]
-    assert max_rel(params, ref) <= 1e-6
+    assert_within_reference(max_rel(params, ref), gap, 1.0, f"fp32 Muon, {world_size} ranks")
     assert all(c <= 2 for c in calls)  # one gather and one scatter per group per step, at most
 
 
@@ -95,18 +110,19 @@ def test_ragged_muon_fp32_equals_one_process(shapes, world_size, seed):
 @given(shapes=st.lists(shape_st, min_size=1, max_size=3), world_size=st.integers(2, 5), seed=st.integers(0, 99))
 def test_ragged_muon_bf16_equals_one_process_bf16(shapes, world_size, seed):
     # NS casts to bf16 first, so bf16 on the wire and one owner per matrix reproduce the one-process bf16 run: a
-    # single flipped bf16 rounding would show as ~4e-3 (one bf16 ulp), far above the bound.
-    ref = one_process(shapes, seed, torch.bfloat16)
+    # single flipped bf16 rounding would show as ~4e-3 (one bf16 ulp), far above the bound (unless the thread
+    # count alone flips one in the reference too: then the bound says so).
+    ref, gap = reference(shapes, seed, torch.bfloat16)
     params, _ = run_on_ranks(sharded, world_size, shapes, seed, torch.bfloat16, "ragged")[0]
-    assert max_rel(params, ref) <= 1e-6
+    assert_within_reference(max_rel(params, ref), gap, 1.0, f"bf16 Muon, {world_size} ranks")
 
 
 @settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
 @given(shapes=st.lists(shape_st, min_size=1, max_size=3), world_size=st.integers(1, 4), seed=st.integers(0, 99))
 def test_dtensor_muon_equals_one_process(shapes, world_size, seed):
-    ref = one_process(shapes, seed, torch.float32)
+    ref, gap = reference(shapes, seed, torch.float32)
     params, calls = run_on_ranks(sharded, world_size, shapes, seed, torch.float32, "dtensor")[0]
-    assert max_rel(params, ref) <= 1e-6
+    assert_within_reference(max_rel(params, ref), gap, 1.0, f"fp32 Muon on DTensors, {world_size} ranks")
     assert all(c <= 2 for c in calls)
 
 

@@ -209,6 +209,10 @@ def _rank(rank, world_size, dims, batch_size, steps, ns_dtype, compare_single):
         ref = _single(dims, batch_size, world_size, steps + 1, ns_dtype)
         ref32 = _single(dims, batch_size, world_size, steps + 1, torch.float32)
         out["max_rel_diff_vs_unsharded"] = _rel_diff(full_fp32, ref32, p0)
+        # its noise floor: the same one-process fp32 run with the global batch as one batch instead of W
+        # micro-batches (the same sums in another order), measured here
+        ref32_one_batch = _single(dims, batch_size, 1, steps + 1, torch.float32)
+        out["unsharded_batching_rel_diff"] = _rel_diff(ref32_one_batch, ref32, p0)
         out[f"max_rel_diff_vs_unsharded_{str(ns_dtype).removeprefix('torch.')}"] = _rel_diff(full_ours, ref, p0)
         out["torch_max_rel_diff_vs_unsharded"] = _rel_diff(full_torch, ref, p0)
     return out
