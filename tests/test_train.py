@@ -171,7 +171,7 @@ def test_resume_continues_the_same_run(sharded_run):
     assert r["start_step"] == 3 and len(r["losses"]) == STEPS
     # the same ranks, ops and restored state and RNG as the uninterrupted run: the same losses, bit for bit
     assert r["losses"] == s["losses"]
-    assert r["val_losses"][0] == s["val_losses"][0]  # the step-3 evaluation, from the checkpoint's history
+    assert r["val_losses"] == s["val_losses"]  # step 3's evaluation from the checkpoint's history, step 6's rerun
     # the summary starts where this run started (the loss at step 3), not at step 1 of the first run
     assert r["resumed"] and r["initial_train_loss_step"] == 3 and r["initial_train_loss"] == s["losses"][2]
     text = format_summary(r)

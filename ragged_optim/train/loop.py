@@ -123,7 +123,10 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig, device: str | torch
         losses.append(loss_avg)
         done = step + 1
         progress.update(done, loss_avg, tokens_per_step * (done - start) / max(train_time, 1e-9))
-        if cfg.eval_batches and cfg.eval_every and done % cfg.eval_every == 0 and done < cfg.steps:
+        if done == cfg.steps:  # before the last evaluation: FSDP keeps the root unit unsharded after a forward
+            mem = [param_bytes(model), optimizer_state_bytes(opt)]  # with no backward
+        if cfg.eval_batches and ((cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps):
+            # before the checkpoint, so that a resumed run's curve has this point too
             val_points.append((done, _val_loss(model, cfg, mcfg, rank, world_size, device)))
         if ckpt is not None and (done % cfg.checkpoint_every == 0 or done == cfg.steps):
             meta = {"losses": losses, "val_losses": val_points, "seed": cfg.seed, "optimizer": cfg.optimizer}
@@ -131,11 +134,11 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig, device: str | torch
     progress.close()
     steps_run = cfg.steps - start
 
-    # Measured before evaluation: FSDP keeps the root unit unsharded after a forward with no backward.
-    mem = [param_bytes(model), optimizer_state_bytes(opt)]
-    val_loss = _val_loss(model, cfg, mcfg, rank, world_size, device) if cfg.eval_batches else None
-    if val_loss is not None and (not val_points or val_points[-1][0] != cfg.steps):
-        val_points.append((cfg.steps, val_loss))
+    if start == cfg.steps:  # no step run (the API resumed at --steps): measure and evaluate now
+        mem = [param_bytes(model), optimizer_state_bytes(opt)]
+        if cfg.eval_batches and (not val_points or val_points[-1][0] != cfg.steps):
+            val_points.append((cfg.steps, _val_loss(model, cfg, mcfg, rank, world_size, device)))
+    val_loss = val_points[-1][1] if cfg.eval_batches and val_points and val_points[-1][0] == cfg.steps else None
 
     if world_size > 1:
         gathered: list[Any] = [None] * world_size

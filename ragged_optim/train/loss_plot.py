@@ -34,7 +34,13 @@ def write_loss_png(
         ax.set_xlabel("step")
         ax.set_ylabel("loss (cross-entropy, nats/byte)")
         if log_scale:
+            from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
             ax.set_yscale("log")
+            # plain numbers at 1, 2, 3 and 5 per decade: a loss range rarely spans a whole decade
+            ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 3.0, 5.0)))
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+            ax.yaxis.set_minor_formatter(NullFormatter())
         ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend()
