@@ -37,8 +37,8 @@ def write_loss_png(
             from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
             ax.set_yscale("log")
-            # plain numbers at 1, 2, 3 and 5 per decade: a loss range rarely spans a whole decade
-            ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 3.0, 5.0)))
+            # plain numbers at 1, 1.5, 2, 3, 4, 5 and 7 per decade: a loss range rarely spans a whole decade
+            ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 7.0)))
             ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
             ax.yaxis.set_minor_formatter(NullFormatter())
         ax.set_title(title, fontsize=10)
