@@ -6,6 +6,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from noise_bounds import assert_within_reference
 from torch import nn
 
 from ragged_optim.comm.counter import count_collectives
@@ -33,9 +34,9 @@ def grads_for(shapes, step, seed):
     return [torch.randn(*s, generator=g) for s in shapes] + [torch.randn(5, generator=g)]
 
 
-def one_process(shapes, seed, B, kw):
+def one_process(shapes, seed, B, kw, threads_for_run=1):
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the ranks run one thread each: same LAPACK path
+    torch.set_num_threads(threads_for_run)  # the ranks run one thread each: same LAPACK path
     try:
         model = Mats(shapes, seed)
         opt = Shampoo(model.parameters(), max_preconditioner_dim=B, **kw)
@@ -46,6 +47,15 @@ def one_process(shapes, seed, B, kw):
         return [p.detach().clone() for p in model.ordered()]
     finally:
         torch.set_num_threads(threads)
+
+
+def reference(shapes, seed, B, kw):
+    """The one-process run with one thread, as each rank runs, and the gap allowed around it. Every rank gets the
+    same full grads and each band is computed whole by the same ops (measured: bitwise equal), so the only source
+    of difference is how matmuls and LAPACK split their work, which may depend on the thread count: the allowed
+    gap is the one-process run's own gap between one thread and this process's thread count, measured here."""
+    ref = one_process(shapes, seed, B, kw)
+    return ref, max_rel(one_process(shapes, seed, B, kw, torch.get_num_threads()), ref)
 
 
 def _set_local_grads(model, shapes, step, seed):
@@ -82,10 +92,10 @@ def max_rel(a, b):
 
 
 def _check_run(shapes, world_size, seed, B, kw):
-    ref = one_process(shapes, seed, B, kw)
+    ref, gap = reference(shapes, seed, B, kw)
     results = run_on_ranks(sharded, world_size, shapes, seed, B, kw)
     params = results[0][0]
-    assert max_rel(params, ref) <= 1e-5
+    assert_within_reference(max_rel(params, ref), gap, 1.0, f"Shampoo, {world_size} ranks")
     for _, calls, _, _ in results:
         # split bands: one all_to_all each way; the non-finite guard: one all_reduce of flags (and, at the first
         # step, one all_gather that checks the ranks agree on the params)
@@ -137,9 +147,9 @@ def test_sharded_equals_one_process_other_options(shapes, world_size, B, graftin
     ],
 )
 def test_split_bands_are_owner_computed(shapes, world_size, n_split):
-    ref = one_process(shapes, 3, 4, OPTS)
+    ref, gap = reference(shapes, 3, 4, OPTS)
     results = run_on_ranks(sharded, world_size, shapes, 3, 4, OPTS)
-    assert max_rel(results[0][0], ref) <= 1e-5
+    assert_within_reference(max_rel(results[0][0], ref), gap, 1.0, "split bands")
     assert results[0][3] == n_split
     assert all(c.get("all_to_all", 0) == 2 for r in results for c in r[1])
 
@@ -194,9 +204,9 @@ def dtensor_run(rank, world_size, shapes, seed, B, kw):
 
 
 def _check_dtensor_run(shapes, world_size, seed, B, kw):
-    ref = one_process(shapes, seed, B, kw)
+    ref, gap = reference(shapes, seed, B, kw)
     results = run_on_ranks(dtensor_run, world_size, shapes, seed, B, kw)
-    assert max_rel(results[0][0], ref) <= 1e-5
+    assert_within_reference(max_rel(results[0][0], ref), gap, 1.0, f"Shampoo on DTensors, {world_size} ranks")
     for _, calls, _, _ in results:
         assert all(c.get("all_to_all", 0) <= 2 for c in calls)  # split bands: one gather, one scatter per step
     owners = [b for r in results for b in r[2]]  # every band's state on exactly one rank
