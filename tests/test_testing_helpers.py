@@ -3,6 +3,7 @@
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
+from noise_bounds import allowed, magnitude, max_abs_gap
 from torch import nn
 
 from ragged_optim.optim import Muon
@@ -37,8 +38,22 @@ def test_elementwise_adamw_matches_bitwise(world_size):
 
 
 def test_muon_matches_with_fp32_newton_schulz():
+    from ragged_optim.testing import _run, default_grad
+
     opt = lambda m: Muon(m.parameters(), ns_dtype=torch.float32)
-    assert_sharded_matches_single(make_model, opt, world_size=3, rtol=1e-6, atol=1e-7)
+    # Both sides get the same full grads and each matrix is computed whole on its owner, so the only source of
+    # difference is how matmuls split their sums by thread count (each rank runs one thread, this process may run
+    # more). Allowed: the one-process run's own gap between one thread and this process's count, measured here.
+    threads = torch.get_num_threads()
+    here = _run(make_model, opt, 3, default_grad)
+    torch.set_num_threads(1)
+    try:
+        one_thread = _run(make_model, opt, 3, default_grad)
+    finally:
+        torch.set_num_threads(threads)
+    gap = max(max_abs_gap(a, b) for a, b in zip(here, one_thread))
+    scale = max(magnitude(step) for step in here)
+    assert_sharded_matches_single(make_model, opt, world_size=3, atol=allowed(gap, scale))
 
 
 def test_a_shard_dependent_optimizer_is_caught_with_a_readable_report():
