@@ -188,11 +188,14 @@ class ModuleState:
 
     def post_forward(self, output):
         ctx = self.ctx
+        grad = torch.is_grad_enabled()
+        if in_backward():  # between its pre- and post-backward a module holds its unsharded params, as in FSDP2
+            if self.training_state != TrainingState.PRE_BACKWARD:
+                for u in self.units:
+                    u.set_sharded_attrs()
+            return self._register_pre_backward(output) if grad else output
         for u in self.units:
             u.set_sharded_attrs()
-        grad = torch.is_grad_enabled()
-        if in_backward():
-            return self._register_pre_backward(output) if grad else output
         if grad:
             self.post_forward_indices.append(len(ctx.post_forward_order))
             ctx.post_forward_order.append(self)
@@ -246,6 +249,7 @@ class ModuleState:
         ctx.queue_final_callback()
         self._gather()
         for u in self.units:
+            u.set_unsharded_attrs()  # a recompute that bypasses this module's hooks (checkpoint_wrapper) sees them
             u.prepare_grads()
         if self.post_forward_indices:  # prefetch the unit whose backward comes next
             i = self.post_forward_indices.pop()
