@@ -223,17 +223,20 @@ class MoEModel(nn.Module):
         return self.head(self.moe(self.emb(idx), expert_ids))
 
 
-def _moe_rows(step, rank, world_size, n=6):
-    """Rank r's tokens: expert 0 and 2 everywhere, expert 1 only on rank 0, expert 3 nowhere."""
+def _moe_rows(step, rank, world_size, n=8, unused_everywhere=False):
+    """Rank r's tokens: experts 0 and 2 everywhere, 1 only on rank 0; expert 3 on rank 0 too, or nowhere."""
     g = torch.Generator().manual_seed(77 + 10 * step + rank)
     idx = torch.randint(0, 50, (n,), generator=g)
-    choices = torch.tensor([0, 1, 2] if rank == 0 else [0, 2])
-    expert_ids = choices[torch.randint(0, len(choices), (n,), generator=g)]
+    on_rank0 = [0, 1, 2] if unused_everywhere else [0, 1, 2, 3]
+    choices = torch.tensor(on_rank0 if rank == 0 else [0, 2])
+    # every listed expert gets a token at every step (one that gets none anywhere would have a None grad in one
+    # process and zeros here, and AdamW moves a param with a zero grad but not one with None)
+    expert_ids = choices[torch.randperm(n, generator=g) % len(choices)]
     return idx, expert_ids, torch.randint(0, 50, (n,), generator=g)
 
 
-def _moe_loss(model, step, rank, world_size):
-    idx, eids, y = _moe_rows(step, rank, world_size)
+def _moe_loss(model, step, rank, world_size, unused_everywhere):
+    idx, eids, y = _moe_rows(step, rank, world_size, unused_everywhere=unused_everywhere)
     return nn.functional.cross_entropy(model(idx, eids), y)
 
 
@@ -246,12 +249,12 @@ def _shard_moe(model, per_expert_units):
     return model
 
 
-def _train_moe(rank, world_size, skip_empty, per_expert_units):
+def _train_moe(rank, world_size, skip_empty, per_expert_units, unused_everywhere):
     model = _shard_moe(MoEModel(skip_empty), per_expert_units)
     opt = _opt(model)
     grads = None
     for step in range(STEPS):
-        _moe_loss(model, step, rank, world_size).backward()
+        _moe_loss(model, step, rank, world_size, unused_everywhere).backward()
         if step == 0:
             grads = [full_grad(p) for p in model.parameters()]
             unused_is_none = [p.grad is None for p in model.moe.experts[3].parameters()]
@@ -260,14 +263,14 @@ def _train_moe(rank, world_size, skip_empty, per_expert_units):
     return _params(model), grads, unused_is_none
 
 
-def _moe_one_process(skip_empty, world_size, batching="per_rank"):
+def _moe_one_process(skip_empty, world_size, unused_everywhere, batching="per_rank"):
     """The one-process run: each rank's tokens as a micro-batch; for the noise reference the same tokens batched
     otherwise: all in one batch, or the micro-batches in reverse order."""
     model = MoEModel(skip_empty)
     opt = _opt(model)
     grads = None
     for step in range(STEPS):
-        rows = [_moe_rows(step, r, world_size) for r in range(world_size)]
+        rows = [_moe_rows(step, r, world_size, unused_everywhere=unused_everywhere) for r in range(world_size)]
         if batching == "reversed":
             rows = rows[::-1]
         if batching == "one_batch":  # equal rows per rank: the mean over all tokens is the mean of the per-rank means
@@ -284,23 +287,31 @@ def _moe_one_process(skip_empty, world_size, batching="per_rank"):
 
 
 @pytest.mark.parametrize(
-    "skip_empty, per_expert_units, world_size",
-    [(True, False, 2), (True, False, 4), (False, True, 3), (False, False, 5)],
+    "skip_empty, per_expert_units, unused_everywhere, world_size",
+    [
+        (True, False, False, 2),
+        (True, False, False, 4),
+        (True, False, True, 3),
+        (False, True, True, 3),
+        (False, False, True, 5),
+    ],
 )
-def test_data_dependent_unused_experts(skip_empty, per_expert_units, world_size):
-    """Main: with skipped experts inside one unit, a rank whose expert got no token never completed the unit's count
-    of landed grads and reduce-scattered at the end of backward, while the others did it at once: the ranks issued
-    reduce-scatters in different orders (gloo: "Received data size doesn't match"). Experts of their own unit must
-    run on every rank (an empty batch where they get no token), since a unit's forward gathers its params; they
-    trained on main already and are kept as a guard. Both must give the one-process grads; an expert no rank used
-    gets zeros, not None (docs/runtime.md)."""
-    params, grads, unused_is_none = run_on_ranks(_train_moe, world_size, skip_empty, per_expert_units)[0]
-    ref_params, ref_grads = _moe_one_process(skip_empty, world_size)
-    others = [_moe_one_process(skip_empty, world_size, b) for b in ("one_batch", "reversed")]
-    assert unused_is_none == [False] * 4  # expert 3: used by no rank, but its unit got grads
+def test_data_dependent_unused_experts(skip_empty, per_expert_units, unused_everywhere, world_size):
+    """Main: with experts skipped when they get no token, all in one unit, rank 0 (every expert used) reduce-scattered
+    the unit as soon as its count of landed grads was complete, the other ranks only at the end of backward: the
+    ranks issued reduce-scatters in different orders (gloo: "Received data size doesn't match"). Experts of their own
+    unit must run on every rank (an empty batch where they get no token), since a unit's forward gathers its params;
+    they, and an expert no rank uses, worked on main and are kept as guards. All must give the one-process grads; an
+    expert no rank used gets zeros, not None (docs/runtime.md)."""
+    params, grads, unused_is_none = run_on_ranks(
+        _train_moe, world_size, skip_empty, per_expert_units, unused_everywhere
+    )[0]
+    ref_params, ref_grads = _moe_one_process(skip_empty, world_size, unused_everywhere)
+    others = [_moe_one_process(skip_empty, world_size, unused_everywhere, b) for b in ("one_batch", "reversed")]
+    assert unused_is_none == [False] * 4  # expert 3 has a grad on every rank
     n_before = 2  # model.parameters(): emb.weight, router.weight, then 4 params per expert, then the head
-    expert3 = slice(n_before + 3 * 4, n_before + 4 * 4)
-    assert all(torch.count_nonzero(g) == 0 for g in grads[expert3])
+    expert3 = grads[n_before + 3 * 4 : n_before + 4 * 4]
+    assert all((torch.count_nonzero(g) == 0) == unused_everywhere for g in expert3)
     assert all(torch.count_nonzero(g) > 0 for g in grads[n_before : n_before + 4])  # expert 0 did get grads
     assert _dist(grads, ref_grads) <= 4 * max(_dist(g, ref_grads) for _, g in others)
     assert _dist(params, ref_params) <= 4 * max(_dist(p, ref_params) for p, _ in others)
