@@ -127,12 +127,22 @@ class FlatUnit:
         return buf[off : off + math.prod(self.layout.shapes[i])].view(self.layout.shapes[i])
 
     def _build_unsharded_params(self):
-        self.unsharded = torch.empty(self.layout.total_size, dtype=self.param_dtype, device=self.device)
+        """The unsharded buffer and params are made at the first unshard, not here: allocating the buffer only to
+        free it again would count a whole unit against every rank while a model is built and initialised."""
+        self.unsharded = torch.empty(0, dtype=self.param_dtype, device=self.device)
         self.unsharded_params = []
-        for i, rg in enumerate(self.requires_grad):
-            self.unsharded_params.append(nn.Parameter(self._full_slice(self.unsharded, i), requires_grad=rg))
-        self._storage_nbytes = self.unsharded.untyped_storage().nbytes()  # freed until the first unshard
-        self.unsharded.untyped_storage().resize_(0)
+
+    def _alloc_unsharded(self):
+        """Storage for the unsharded buffer (re-allocated in place after a reshard, so the params stay views)."""
+        if not self.unsharded_params:
+            self.unsharded = torch.empty(self.layout.total_size, dtype=self.param_dtype, device=self.device)
+            self._storage_nbytes = self.unsharded.untyped_storage().nbytes()
+            self.unsharded_params = [
+                nn.Parameter(self._full_slice(self.unsharded, i), requires_grad=rg)
+                for i, rg in enumerate(self.requires_grad)
+            ]
+        elif self.unsharded.untyped_storage().size() == 0:
+            self.unsharded.untyped_storage().resize_(self._storage_nbytes)
 
     def relayout(self, specs: dict[int, BlockSpec], *, allow_split: bool | None = None, compute_load=None) -> bool:
         """Re-plan with new block specs for some params and move the data to match; param objects are kept.
@@ -221,7 +231,8 @@ class FlatUnit:
                     )
             if sp.requires_grad != self.requires_grad[i]:
                 self.requires_grad[i] = sp.requires_grad
-                self.unsharded_params[i].requires_grad_(sp.requires_grad)
+                if self.unsharded_params:
+                    self.unsharded_params[i].requires_grad_(sp.requires_grad)
 
     def check_apply_keeps_dtype(self, fn) -> None:
         """Before ``module._apply(fn)`` changes anything: a cast would break the layout (its alignment and the
@@ -236,42 +247,39 @@ class FlatUnit:
                 "keep the params in fp32 and pass mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)"
             )
 
+    def unset_attrs(self) -> None:
+        """Take the params off their modules while ``module._apply`` runs, so it does not touch them one by one."""
+        for refs in self.refs:
+            for mod, attr in refs:
+                mod._parameters[attr] = None
+
     @torch.no_grad()
-    def adopt_applied_params(self) -> None:
-        """After ``module._apply`` (``to_empty``, ``.to(device)``): the sharded params hold new tensors, maybe new
-        Parameter objects. Put their values in a local shard on their new device and view them from it again."""
-        current = [self.refs[i][0][0]._parameters[self.refs[i][0][1]] for i in range(len(self.sharded_params))]
-        shard_ptr = self.local_shard.untyped_storage().data_ptr()
-        if all(c is sp and c.untyped_storage().data_ptr() == shard_ptr for c, sp in zip(current, self.sharded_params)):
-            return  # nothing moved (e.g. .to() to the device the params are on)
-        device = current[0].device
-        if any(c.device != device for c in current):
-            raise RuntimeError(f"the params of {self.module_name} were moved to different devices after fully_shard")
-        grads = [c.grad for c in current]
-        self.device = device
-        self.local_shard = torch.empty(self.layout.shard_size, dtype=self.dtype, device=device)
-        if any(g is not None for g in grads):
-            self.sharded_grad = torch.zeros(self.layout.shard_size, dtype=self.dtype, device=device)
-        else:
-            self.sharded_grad = None
-        for i, (c, sp) in enumerate(zip(current, self.sharded_params)):
-            dst = self._local_slice(i)
-            if c.device.type != "meta":
-                dst.copy_(c.detach().reshape(-1))
-            if c is not sp:  # _apply made a new Parameter: it becomes the sharded param
-                setattr(c, _INFO_ATTR, getattr(sp, _INFO_ATTR))
-                self.sharded_params[i] = c
-                for mod, attr in self.refs[i]:
-                    mod._parameters[attr] = c
-            c.data = dst
-            if grads[i] is not None:
-                g = self._shard_view(self.sharded_grad, i)
-                g.copy_(grads[i].reshape(-1))
-                c.grad = g
-        self.pending_gather = self.pending_reduce = None
-        self.is_unsharded, self.stale = False, True
-        self.drop_grad_buffers()
-        self._build_unsharded_params()
+    def apply_to_shard(self, fn) -> None:
+        """``module._apply(fn)`` for this unit (``to_empty``, ``.to(device)``): ``fn`` runs once on the flat local
+        shard (and the sharded grads), and the sharded params become views of the result. One allocation per
+        unit, so materialising a meta-device model holds nothing but this rank's shards."""
+        new = fn(self.local_shard)
+        if new is not self.local_shard:
+            self.local_shard = new
+            self.device = new.device
+            for i, sp in enumerate(self.sharded_params):
+                view = self._local_slice(i)
+                if torch._has_compatible_shallow_copy_type(sp, view):
+                    sp.data = view
+                else:  # meta -> a real device: a new Parameter object, as module._apply makes
+                    new_sp = nn.Parameter(view, requires_grad=sp.requires_grad)
+                    setattr(new_sp, _INFO_ATTR, getattr(sp, _INFO_ATTR))
+                    self.sharded_params[i] = new_sp
+            if self.sharded_grad is not None:
+                self.sharded_grad = fn(self.sharded_grad)
+                for i, sp in enumerate(self.sharded_params):
+                    if sp.grad is not None:
+                        sp.grad = self._shard_view(self.sharded_grad, i)
+            self.pending_gather = self.pending_reduce = None
+            self.is_unsharded, self.stale = False, True
+            self.drop_grad_buffers()
+            self._build_unsharded_params()
+        self.set_sharded_attrs()
 
     def _label(self, i: int) -> str:
         return f"{self.names[i]!r} (in {self.module_name})"
@@ -281,8 +289,7 @@ class FlatUnit:
         """Issue the all-gather (async) unless the unsharded buffer is current or a gather is in flight."""
         if (self.is_unsharded and not self.stale) or self.pending_gather is not None or not self.sharded_params:
             return
-        if self.unsharded.untyped_storage().size() == 0:
-            self.unsharded.untyped_storage().resize_(self._storage_nbytes)
+        self._alloc_unsharded()
         version = self.unsharded._version
         fmt = self.comm_policy.param_all_gather
         if fmt != "full":  # quantize the fp32 master shard; the receiver dequantizes into the param dtype

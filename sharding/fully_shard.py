@@ -58,14 +58,19 @@ class RaggedFSDPModule:
             state.ctx.reset()
 
     def _apply(self, fn, recurse=True):
-        """``to_empty``/``to(device)`` after sharding move the local shards: refuse casts before anything changes
-        (the layout depends on the dtype), then re-point the sharded params into a flat shard on the new device."""
+        """``to_empty``/``to(device)`` after sharding move each unit's flat shard as one tensor and re-point the
+        sharded params into it; casts are refused before anything changes (the layout depends on the dtype)."""
         if recurse:
             for unit in units_of(self):
                 unit.check_apply_keeps_dtype(fn)
-        out = super()._apply(fn, recurse)
-        for unit in state_of(self).units:
-            unit.adopt_applied_params()
+        own = state_of(self).units
+        for unit in own:
+            unit.unset_attrs()
+        try:
+            out = super()._apply(fn, recurse)
+        finally:
+            for unit in own:
+                unit.apply_to_shard(fn)
         return out
 
 
