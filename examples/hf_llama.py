@@ -47,7 +47,6 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=6, help="global rows per step, a multiple of W (default 6)")
     ap.add_argument("--seq-len", type=int, default=32, help="tokens per row (default 32)")
     ap.add_argument("--out", default=None, help="save_pretrained folder (default: none)")
-    ap.add_argument("--no-gradient-checkpointing", action="store_true", help="keep activations instead of recomputing")
     args = ap.parse_args()
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=5))  # torchrun's RANK, WORLD_SIZE, ...
@@ -55,8 +54,7 @@ def main() -> None:
     config = tiny_config()
     torch.manual_seed(0)  # the same weights on every rank
     model = LlamaForCausalLM(config)
-    if not args.no_gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()  # transformers checkpoints only in training mode
 
     for layer in model.model.layers:

@@ -52,22 +52,12 @@ def test_own_model_with_each_optimizer(tmp_path, optimizer):
     assert os.path.isdir(tmp_path / "ckpt")
 
 
-def _hf_llama(tmp_path, *flags: str) -> None:
+def test_hf_llama_with_gradient_checkpointing(tmp_path):
     out_dir = str(tmp_path / "llama")
-    out = torchrun(2, HF_LLAMA, "--steps", "3", "--out", out_dir, *flags)
+    out = torchrun(2, HF_LLAMA, "--steps", "3", "--out", out_dir)
     losses = _floats(r"step \d+: loss (\d+\.\d+)", out)
     assert len(losses) == 3 and losses[-1] < losses[0], out
     # save_pretrained wrote the gathered weights: reloaded by transformers, they give the sharded model's eval loss
     (reloaded, sharded) = re.search(r"eval loss (\S+) reloaded, (\S+) sharded", out).groups()
     assert float(reloaded) == float(sharded), out
     assert {"config.json", "model.safetensors"} <= set(os.listdir(out_dir))
-
-
-@pytest.mark.xfail(strict=True, reason="issue 14: activation checkpointing in the runtime")
-def test_hf_llama_with_gradient_checkpointing(tmp_path):
-    _hf_llama(tmp_path)
-
-
-def test_hf_llama_without_gradient_checkpointing(tmp_path):
-    """The rest of the example (Muon groups, get_full_state_dict, save_pretrained) while issue 14 is open."""
-    _hf_llama(tmp_path, "--no-gradient-checkpointing")
