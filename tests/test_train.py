@@ -151,7 +151,8 @@ def test_one_process_matches_two_rank_fsdp(tmp_path_factory, single_run):
     # Same init and global batches: only the fp32 summation order differs (2 ranks' partial sums, gloo's
     # reduce-scatter), for torch's FSDP2 as for ours. FSDP2 is the control: its gap, measured here, bounds ours.
     losses = single["losses"]
-    assert gap(torch_fsdp) < 1e-2 * min(abs(a - b) for a, b in zip(losses, losses[1:])), "the control drifted"
+    mean_step_change = sum(abs(a - b) for a, b in zip(losses, losses[1:])) / (len(losses) - 1)
+    assert gap(torch_fsdp) < 1e-3 * mean_step_change, "the control itself drifted from the one-process run"
     assert_within_reference(gap(ours), gap(torch_fsdp), max(losses), "2-rank ours vs one process (losses)")
 
 
