@@ -49,6 +49,8 @@ PRESETS: dict[str, GPTConfig] = {
     "small": GPTConfig(seq_len=128, d_model=128, n_layers=6, n_heads=4),
     # ~20M params: benchmarks.
     "bench20m": GPTConfig(seq_len=256, d_model=384, n_layers=11, n_heads=6),
+    # ~54M params: the memory benchmark (the paper's claim is about models too big to keep whole).
+    "bench50m": GPTConfig(seq_len=128, d_model=640, n_layers=11, n_heads=10),
 }
 
 

@@ -9,6 +9,7 @@ buffer that one reduce-scatter sums into the sharded grad buffer. No per-param c
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -75,7 +76,7 @@ class FlatUnit:
             sp = nn.Parameter(self._local_slice(i), requires_grad=p.requires_grad)
             setattr(sp, _INFO_ATTR, ShardInfo(self, i, names[i]))
             self.sharded_params.append(sp)
-        self.sharded_grad = None  # [S] master dtype, allocated at the first reduce-scatter
+        self._sharded_grad = None  # weakref to the [S] master-dtype buffer of the sharded grads
         self.unsharded = torch.empty(0, dtype=self.param_dtype, device=self.device)
         self.unsharded_params: list[nn.Parameter] = []
         self.grad_buf = None  # [W*S] param dtype, alive from pre-backward to the reduce-scatter
@@ -173,7 +174,7 @@ class FlatUnit:
                 dst.copy_(src)
                 sp.data = dst
                 sp.grad = None
-        self.sharded_grad = None
+        self._sharded_grad = None
         self.is_unsharded, self.stale = False, True
         self._build_unsharded_params()
         return True
@@ -271,10 +272,11 @@ class FlatUnit:
                     setattr(new_sp, _INFO_ATTR, getattr(sp, _INFO_ATTR))
                     self.sharded_params[i] = new_sp
             if self.sharded_grad is not None:
-                self.sharded_grad = fn(self.sharded_grad)
+                grads = fn(self.sharded_grad)
+                self._sharded_grad = weakref.ref(grads)
                 for i, sp in enumerate(self.sharded_params):
                     if sp.grad is not None:
-                        sp.grad = self._shard_view(self.sharded_grad, i)
+                        sp.grad = self._shard_view(grads, i)
             self.pending_gather = self.pending_reduce = None
             self.is_unsharded, self.stale = False, True
             self.drop_grad_buffers()
@@ -444,17 +446,28 @@ class FlatUnit:
         out = out.to(self.dtype)
         if post != 1.0:
             out.div_(post)
-        fresh = all(sp.grad is None for sp, rg in zip(self.sharded_params, self.requires_grad) if rg)
-        if self.sharded_grad is None or fresh:
-            self.sharded_grad = out
-        else:  # accumulate into grads the user kept from an earlier step
-            for i, sp in enumerate(self.sharded_params):
-                if self.requires_grad[i] and sp.grad is None:
-                    self._shard_view(self.sharded_grad, i).zero_()
-            self.sharded_grad.add_(out)
-        for i, sp in enumerate(self.sharded_params):
-            if self.requires_grad[i]:
-                sp.grad = self._shard_view(self.sharded_grad, i)
+        trainable = [i for i, rg in enumerate(self.requires_grad) if rg]
+        kept = [self.sharded_params[i].grad for i in trainable if self.sharded_params[i].grad is not None]
+        buf = self.sharded_grad
+        if kept and buf is not None and all(_same_storage(g, buf) for g in kept):
+            for i in trainable:  # accumulate into the grads kept from an earlier backward, in place
+                if self.sharded_params[i].grad is None:
+                    self._shard_view(buf, i).zero_()
+            out = buf.add_(out)
+        for i in trainable:
+            sp = self.sharded_params[i]
+            if sp.grad is None or _same_storage(sp.grad, out):
+                sp.grad = self._shard_view(out, i)
+            else:  # a grad the user replaced by a tensor of their own: add to it
+                sp.grad.add_(self._shard_view(out, i))
+        # Only a weak reference: once zero_grad() drops the grads the buffer is freed, as FSDP2 holds nothing either.
+        self._sharded_grad = weakref.ref(out)
+
+    @property
+    def sharded_grad(self) -> torch.Tensor | None:
+        """The [S] buffer the sharded params' grads are views of, while any of them is alive."""
+        ref = getattr(self, "_sharded_grad", None)
+        return ref() if ref is not None else None
 
     # ----- gathers for users --------------------------------------------------------------------------------
     def gather_full(self, i: int, local: torch.Tensor) -> torch.Tensor:
@@ -464,3 +477,7 @@ class FlatUnit:
         out = torch.empty(self.layout.total_size, dtype=local.dtype, device=self.device)
         all_gather_flat(out, buf, group=self.group)
         return self._full_slice(out, i).clone()
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()

@@ -1,6 +1,6 @@
 """A user's script under torchrun: train, evaluate under no_grad, destroy the process group, end. No teardown code.
 
-    torchrun --nproc-per-node 2 tests/scripts/train_eval_exit.py ours|fsdp2
+torchrun --nproc-per-node 2 tests/scripts/train_eval_exit.py ours|fsdp2
 """
 
 import os
