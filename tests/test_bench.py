@@ -128,3 +128,18 @@ def test_cli_table_and_unknown(monkeypatch, capsys):
         main(["bench", "nonesuch"])
     monkeypatch.setattr(bench_cli, "available", lambda: ["fsdp"])
     assert main(["bench", "muon"]) == 2
+
+
+def test_memory_bench_keys_and_what_it_counts():
+    """bench memory at a tiny size: every key, and the persistent bytes before step 2 (shards + AdamW state, grads
+    freed by zero_grad) equal FSDP2's up to its padding: the measure sees what is alive, not only what moves."""
+    from ragged_optim.bench.memory import CONFIGS, run
+
+    r = run(world_size=2, preset="tiny", configs=("adamw",))
+    assert CONFIGS == ("adamw", "muon", "adamw_ac")
+    for key in ("ours_peak_bytes_adamw", "fsdp2_peak_bytes_adamw", "peak_ratio_vs_fsdp2_adamw", "init_peak_bytes"):
+        assert r[key] > 0, key
+    assert r["init_peak_bytes"] <= r["init_bound_bytes"]
+    expected = 3 * 4 * r["params"] / 2  # fp32 shards + two AdamW moments, a half per rank
+    assert expected <= r["ours_persistent_bytes_adamw"] <= r["fsdp2_persistent_bytes_adamw"] * 1.01
+    assert r["ours_peak_bytes_adamw"] > r["ours_persistent_bytes_adamw"]
