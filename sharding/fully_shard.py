@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_map_only
 from ragged_optim.sharding.comm_policy import CommPolicy
 from ragged_optim.sharding.flat_unit import FlatUnit
 from ragged_optim.sharding.sharded_param import shard_info
+from ragged_optim.sharding.state_dict import register_state_dict_hooks
 
 _UNIT_ATTR = "_ragged_unit"
 
@@ -284,6 +285,7 @@ def fully_shard(
     module.register_forward_pre_hook(_pre_forward, with_kwargs=True)
     module.register_forward_hook(_post_forward)
     _mix_in(module)
+    register_state_dict_hooks(module)  # state_dict()/load_state_dict() speak DCP (sharding/state_dict.py)
     return module
 
 
