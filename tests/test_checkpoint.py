@@ -199,13 +199,15 @@ def test_rank_killed_while_saving_leaves_previous_checkpoint(tmp_path):
     with pytest.raises(RankFailure):
         run_on_ranks(crash_while_saving, 3, good, bad, timeout_s=20)
     assert is_complete(good) and not os.path.exists(bad)
+    # The surviving ranks see the write fail and rank 0 removes the partial folder (if it got that far first, a
+    # partial folder without the marker is left: never loaded either).
     partial = glob.glob(bad + ".tmp-*")
-    assert len(partial) == 1 and not os.path.exists(os.path.join(partial[0], COMPLETE_MARKER))
+    assert all(not os.path.exists(os.path.join(p, COMPLETE_MARKER)) for p in partial)
     extra, errors = run_on_ranks(load_both, 2, good, bad)[0]
     assert extra == {"step": SAVE_AT}
-    assert len(errors) == 2
-    assert "no checkpoint at" in errors[0] and COMPLETE_MARKER in errors[0] and "interrupted" in errors[0]
-    assert f"has no {COMPLETE_MARKER} marker" in errors[1]
+    assert len(errors) == 1 + len(partial)
+    assert "no checkpoint at" in errors[0] and COMPLETE_MARKER in errors[0]
+    assert all(f"has no {COMPLETE_MARKER} marker" in e for e in errors[1:])
 
 
 # ----------------------------------------------------------------------------------------------- bad input
