@@ -11,6 +11,7 @@ import torch
 
 from ragged_optim.optim.base import full_shape, lock_layouts
 from ragged_optim.optim.nonfinite import guard_step
+from ragged_optim.sharding.state_dict import optimizer_state_from_dcp
 
 
 def _shown(value: Any) -> str:
@@ -135,6 +136,8 @@ class RaggedOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict) -> None:
         """torch's loader checks only group sizes; first make sure the state was saved for these params and by
-        this optimizer class (:meth:`_check_state_dict`), so that a failed load changes nothing."""
+        this optimizer class (:meth:`_check_state_dict`), so that a failed load changes nothing. State of ragged params
+        given as full tensors or (Ragged)DTensors (torch's set_optimizer_state_dict, DCP) becomes local pieces first."""
+        state_dict = optimizer_state_from_dcp(self, state_dict)
         self._check_state_dict(state_dict)
         super().load_state_dict(state_dict)
