@@ -188,7 +188,7 @@ class RaggedDTensor(DTensor):
             return me._rewrap(me._local_tensor)
         if me is not None and func in _ON_LOCAL and all(not isinstance(a, DTensor) for a in args[1:]):
             return me._rewrap(func(me._local_tensor, *args[1:], **kwargs))
-        raise TypeError(
+        raise RuntimeError(  # not TypeError: torch turns that into NotImplemented for operators
             f"{func} on a ragged-sharded state-dict tensor: it holds a ragged piece of the flattened tensor, which "
             "no DTensor op rule understands. Save or load it with torch.distributed.checkpoint, call .full_tensor() "
             "(a collective) for the full value, or .to_local() for this rank's flat piece"

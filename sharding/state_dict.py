@@ -113,11 +113,15 @@ def check_state_dict(module: nn.Module, state_dict: dict, prefix: str, strict: b
     always). The shapes are the full ones: a ragged-sharded param takes its full tensor or a RaggedDTensor/DTensor of
     its full shape."""
     want = _expected(module, prefix)
+    # torch's set_model_state_dict(full_state_dict=True) fills keys the caller left out with the params themselves
+    own = {id(p) for p in module.parameters() if shard_info(p) is not None}
     bad = []
     for k, shape in want.items():
         if k not in state_dict:
             continue
         v = state_dict[k]
+        if id(v) in own:
+            continue
         if shape is not None and isinstance(v, torch.Tensor) and tuple(v.shape) != shape:
             hint = ""
             if v.dim() == 1 and len(shape) != 1:
@@ -151,7 +155,9 @@ def _from_dcp(module, state_dict, prefix, local_metadata, strict, _missing, _une
             pass
     for name, p, info in _own_params(module):
         key = prefix + name
-        if key in state_dict and isinstance(state_dict[key], torch.Tensor):
+        if key in state_dict and state_dict[key] is p:  # see check_state_dict: keeps its value
+            state_dict[key] = p.detach()
+        elif key in state_dict and isinstance(state_dict[key], torch.Tensor):
             piece = _local_piece(state_dict[key], _ranges(info), info.unit.rank, info.shape, p.shape)
             state_dict[key] = piece.to(p.dtype) if piece.is_floating_point() else piece
 
