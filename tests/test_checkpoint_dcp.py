@@ -132,8 +132,16 @@ def test_model_moves_between_ours_fsdp2_and_plain(tmp_path, src, dst):
 # ----------------------------------------------------------------------------------------------- with AdamW
 
 
-def train_adamw(model, steps):
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+def make_opt(model, name):
+    if name == "muon":  # our optimizer at its defaults: momentum_buffer, and exp_avg/exp_avg_sq of its AdamW half
+        from ragged_optim.optim import Muon
+
+        return Muon(model.parameters())
+    return torch.optim.AdamW(model.parameters(), lr=0.01)
+
+
+def train_opt(model, steps, name="adamw"):
+    opt = make_opt(model, name)
     for step in range(steps):
         _set_grads(model, step, default_grad)
         opt.step()
@@ -146,18 +154,18 @@ def full_optim(model, opt) -> dict:
     return {f"{fqn}.{k}": v.detach().clone() for fqn, st_ in osd["state"].items() for k, v in st_.items()}
 
 
-def save_trained(rank, world, path, kind):
+def save_trained(rank, world, path, kind, name):
     model = SHARDERS[kind](IssueNet())
-    opt = train_adamw(model, 2)
+    opt = train_opt(model, 2, name)
     msd, osd = get_state_dict(model, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
     out = (full_model(model), full_optim(model, opt))
     return out if rank == 0 else None
 
 
-def load_trained(rank, world, path, kind):
+def load_trained(rank, world, path, kind, name):
     model = SHARDERS[kind](IssueNet(seed=7))
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    opt = make_opt(model, name)
     msd, osd = get_state_dict(model, opt)
     state = {"model": msd, "optim": osd}
     dcp.load(state, checkpoint_id=path)
@@ -172,24 +180,32 @@ def load_trained(rank, world, path, kind):
     return (restored, after) if rank == 0 else None
 
 
-def uninterrupted(rank, world):
+def uninterrupted(rank, world, name):
     model = IssueNet()
-    train_adamw(model, 4)
+    train_opt(model, 4, name)
     return full_model(model)
 
 
 @pytest.mark.parametrize(
-    "src,w_src,dst,w_dst", [("ours", 3, "fsdp2", 2), ("fsdp2", 2, "ours", 4), ("ours", 4, "ours", 3)]
+    "src,w_src,dst,w_dst,name",
+    [
+        ("ours", 3, "fsdp2", 2, "adamw"),
+        ("fsdp2", 2, "ours", 4, "adamw"),
+        ("ours", 4, "ours", 3, "adamw"),
+        ("ours", 4, "ours", 3, "muon"),
+        ("ours", 3, "plain", 1, "muon"),
+    ],
 )
-def test_adamw_state_moves_with_the_model(tmp_path, src, w_src, dst, w_dst):
-    """get_state_dict/set_state_dict with torch.optim.AdamW: params and exp_avg/exp_avg_sq restored bitwise, and
-    training continues exactly like a one-process run that never stopped (every rank sees the same grads)."""
+def test_optimizer_state_moves_with_the_model(tmp_path, src, w_src, dst, w_dst, name):
+    """get_state_dict/set_state_dict with torch.optim.AdamW, and with Muon's element-wise state: params and state
+    restored bitwise, and training continues exactly like a one-process run that never stopped (every rank sees the
+    same grads)."""
     path = str(tmp_path / "ckpt")
-    want_model, want_optim = run_on_ranks(save_trained, w_src, path, src)[0]
-    (got_model, got_optim), after = run_on_ranks(load_trained, w_dst, path, dst)[0]
+    want_model, want_optim = run_on_ranks(save_trained, w_src, path, src, name)[0]
+    (got_model, got_optim), after = run_on_ranks(load_trained, w_dst, path, dst, name)[0]
     assert_same(got_model, want_model)
     assert_same(got_optim, want_optim)
-    assert_same(after, run_on_ranks(uninterrupted, 1)[0])
+    assert_same(after, run_on_ranks(uninterrupted, 1, name)[0])
 
 
 # ----------------------------------------------------------------------------------------------- full loads

@@ -301,7 +301,7 @@ class AdamW8bit(RaggedOptimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # torch.optim.Optimizer casts every state tensor to its param's dtype (uint8 codes would become fp32):
         # load the 8-bit entries ourselves, keeping their dtype.
-        state_dict = optimizer_state_from_dcp(self, state_dict)
+        state_dict = optimizer_state_from_dcp(self, self._dtypes_back(state_dict))
         self._check_state_dict(state_dict)
         plain = dict(state_dict)
         plain["state"], codes = {}, {}
