@@ -512,3 +512,39 @@ def test_bad_checkpoints_raise_checkpoint_error_and_change_nothing(tmp_path):
     assert os.path.basename(data) in errors["truncated"][1]
     assert "cannot write the checkpoint folder" in errors["unwritable"][1]
     assert issubclass(CheckpointError, Exception)
+
+
+def disk_full_while_saving(rank, world, good, path):
+    import errno
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    model = shard_default(DefaultNet())
+    opts = make_default_optimizers(model)
+    train(model, opts, 0, 1)
+    save_checkpoint(good, model, opts, extra={"step": 1})
+    save_checkpoint(path, model, opts, extra={"step": 1})  # an older checkpoint at path
+    train(model, opts, 1, 2)
+    if rank == 1:
+
+        def full(self, *a, **k):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        FileSystemWriter.write_data = full
+    try:
+        save_checkpoint(path, model, opts, extra={"step": 2})
+    except Exception as e:  # noqa: BLE001 - a CheckpointError must be an Exception
+        return type(e).__name__, str(e)
+    return None
+
+
+def test_disk_full_while_saving_keeps_the_older_checkpoint(tmp_path):
+    """A write that fails on one rank (ENOSPC) is a CheckpointError on every rank (main: torch's
+    CheckpointException, a BaseException that `except Exception` misses); the older checkpoint at the path stays."""
+    good, path = str(tmp_path / "good"), str(tmp_path / "ckpt")
+    out = run_on_ranks(disk_full_while_saving, 2, good, path)
+    for kind, msg in out:
+        assert kind == "CheckpointError" and "No space left on device" in msg and path in msg
+    assert is_complete(path) and not glob.glob(path + ".tmp-*")
+    meta = torch.load(os.path.join(path, "meta.pt"), weights_only=False)
+    assert meta["extra"] == {"step": 1}
