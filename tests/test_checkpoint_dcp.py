@@ -330,3 +330,44 @@ def test_llama_checkpoint_loads_into_fsdp2_and_ours_under_torchrun(tmp_path):
     got = torch.load(out)
     assert_same(got["fsdp2"], want)
     assert_same(got["ours"], want)
+
+
+# ----------------------------------------------------------------------------------------------- tied weights
+
+
+def tied_model(seed=0):
+    from fsdp_models import make_model
+
+    return make_model(seed=seed, d=5, vocab=31)  # the embedding is tied to the head
+
+
+def save_tied(rank, world, path):
+    from fsdp_models import shard
+
+    model = shard(tied_model(), fully_shard)
+    dcp.save(get_model_state_dict(model), checkpoint_id=path)
+    full = full_model(model)
+    return full if rank == 0 else None
+
+
+def load_tied(rank, world, path, sharded):
+    from fsdp_models import shard
+
+    model = tied_model(seed=4)
+    model = shard(model, fully_shard) if sharded else model
+    sd = get_model_state_dict(model)
+    dcp.load(sd, checkpoint_id=path)
+    set_model_state_dict(model, sd)
+    tied = model.head.weight is model.emb.weight
+    full = full_model(model)
+    return (full, tied) if rank == 0 else None
+
+
+@pytest.mark.parametrize("w_load,sharded", [(3, True), (1, False)])
+def test_tied_weights_roundtrip(tmp_path, w_load, sharded):
+    path = str(tmp_path / "ckpt")
+    want = run_on_ranks(save_tied, 2, path)[0]
+    assert torch.equal(want["emb.weight"], want["head.weight"])
+    got, tied = run_on_ranks(load_tied, w_load, path, sharded)[0]
+    assert tied
+    assert_same(got, want)
