@@ -19,6 +19,8 @@ FSDP_KEYS = {
     "ours_bytes_per_step",
     "fsdp2_bytes_per_step",
     "param_max_abs_diff_vs_single",
+    "step_time_ratio_ac",
+    "param_max_abs_diff_vs_single_ac",
 }
 MUON_KEYS = {
     "ours_opt_step_s",
@@ -63,6 +65,10 @@ def test_fsdp_keys_and_sanity(fsdp_result):
     assert r["ours_bytes_per_step"] <= r["fsdp2_bytes_per_step"]
     assert r["ranks_agree_on_counts"]
     assert r["param_max_abs_diff_vs_single"] <= 1e-5
+    # activation checkpointing recomputes the same values: the same params as without it, on both sides
+    assert r["param_max_abs_diff_vs_single_ac"] == r["param_max_abs_diff_vs_single"]
+    assert r["fsdp2_param_max_abs_diff_vs_single_ac"] == r["fsdp2_param_max_abs_diff_vs_single"]
+    assert math.isclose(r["step_time_ratio_ac"], r["ours_step_s_ac"] / r["fsdp2_step_s_ac"])
 
 
 def test_muon_keys_and_sanity(muon_result):

@@ -1,0 +1,38 @@
+"""Peak bytes allocated while a function runs, from the allocator itself (not RSS), on CPU and CUDA.
+
+On CPU torch's profiler with ``profile_memory=True`` records every allocation and free with the running total of
+bytes allocated; the peak of that total, above its value when measuring started, is the figure. On CUDA,
+``torch.cuda.max_memory_allocated`` is the same figure. Tensors alive before the call count as the baseline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def peak_bytes(fn: Callable[[], Any], device: torch.device | str = "cpu") -> tuple[Any, int]:
+    """``(fn(), peak bytes allocated above the baseline while fn ran)``."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        out = fn()
+        torch.cuda.synchronize(device)
+        return out, torch.cuda.max_memory_allocated(device) - base
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    totals = [0]
+    for root in prof.profiler.kineto_results.experimental_event_tree():
+        stack = [root]
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children)
+            if node.tag == torch._C._profiler._EventType.Allocation:
+                totals.append(node.extra_fields.total_allocated)
+    return out, max(totals)
