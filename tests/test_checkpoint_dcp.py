@@ -317,6 +317,9 @@ def test_llama_checkpoint_loads_into_fsdp2_and_ours_under_torchrun(tmp_path):
     import subprocess
     import sys
 
+    import dcp_torchrun_job
+
+    dcp_torchrun_job.tiny_llama(seed=0)  # import transformers once here, not in each forked rank
     path, out = str(tmp_path / "ckpt"), str(tmp_path / "out.pt")
     want = run_on_ranks(llama_save, 3, path)[0]
     job = os.path.join(os.path.dirname(__file__), "dcp_torchrun_job.py")
