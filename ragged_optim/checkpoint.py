@@ -146,7 +146,8 @@ def _reader(path: str):
                 return super().read_data(plan, planner)
             except Exception as e:
                 where = os.path.join(path, getattr(self, "_reading", "?"))
-                raise CheckpointError(f"file {where!r} could not be read ({type(e).__name__}: {e})") from e
+                cause = str(e) or ("the file ends early: truncated?" if isinstance(e, EOFError) else "no message")
+                raise CheckpointError(f"file {where!r} could not be read ({type(e).__name__}: {cause})") from e
 
     return _NamingReader(path)
 
