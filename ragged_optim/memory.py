@@ -1,7 +1,8 @@
 """Peak bytes allocated while a function runs, from the allocator itself (not RSS), on CPU and CUDA.
 
-On CPU torch's profiler with ``profile_memory=True`` records every allocation and free with the running total of
-bytes allocated; the peak of that total, above its value when measuring started, is the figure. On CUDA,
+On CPU torch's profiler with ``profile_memory=True`` records every allocation and free with a running total of
+bytes allocated (kept across profiler sessions of the process, so it is taken relative to its value just before
+the first recorded event); the peak of that total is the figure. On CUDA,
 ``torch.cuda.max_memory_allocated`` is the same figure. Tensors alive before the call count as the baseline.
 """
 
@@ -27,12 +28,24 @@ def peak_bytes(fn: Callable[[], Any], device: torch.device | str = "cpu") -> tup
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         out = fn()
-    totals = [0]
+    events = allocation_timeline(prof)
+    return out, max([0] + [total for _, total in events])
+
+
+def allocation_timeline(prof) -> list[tuple[int, int]]:
+    """``(time ns, bytes allocated then)`` for every allocation and free a CPU profile recorded, in time order,
+    relative to the bytes allocated just before its first event."""
+    events = []
     for root in prof.profiler.kineto_results.experimental_event_tree():
         stack = [root]
         while stack:
             node = stack.pop()
             stack.extend(node.children)
             if node.tag == torch._C._profiler._EventType.Allocation:
-                totals.append(node.extra_fields.total_allocated)
-    return out, max(totals)
+                f = node.extra_fields
+                events.append((node.start_time_ns, f.total_allocated, f.alloc_size))
+    events.sort()
+    if not events:
+        return []
+    base = events[0][1] - events[0][2]
+    return [(t, total - base) for t, total, _ in events]

@@ -9,12 +9,13 @@ buffer that one reduce-scatter sums into the sharded grad buffer. No per-param c
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ragged_optim.comm.collectives import all_gather_flat, grad_divide_plan, reduce_scatter_flat
+from ragged_optim.comm.collectives import all_gather_flat, all_to_all_flat, grad_divide_plan, reduce_scatter_flat
 from ragged_optim.comm.quantized import quantized_all_gather, quantized_reduce_scatter
 from ragged_optim.sharding.comm_policy import CommPolicy
 from ragged_optim.sharding.layout import BlockSpec, Layout
@@ -75,7 +76,7 @@ class FlatUnit:
             sp = nn.Parameter(self._local_slice(i), requires_grad=p.requires_grad)
             setattr(sp, _INFO_ATTR, ShardInfo(self, i, names[i]))
             self.sharded_params.append(sp)
-        self.sharded_grad = None  # [S] master dtype, allocated at the first reduce-scatter
+        self._sharded_grad = None  # weakref to the [S] master-dtype buffer of the sharded grads
         self.unsharded = torch.empty(0, dtype=self.param_dtype, device=self.device)
         self.unsharded_params: list[nn.Parameter] = []
         self.grad_buf = None  # [W*S] param dtype, alive from pre-backward to the reduce-scatter
@@ -160,23 +161,57 @@ class FlatUnit:
                 f"the layout of params {names[:3]} is already in use by an optimizer's state; construct every "
                 "optimizer before the first step (or pass block_policy= to fully_shard)"
             )
-        full = self._gather_master()
-        shapes = self.layout.shapes
+        old_layout, old_shard = self.layout, self.local_shard
         self.specs, self.allow_split = new_specs, split
-        self.layout = self._plan(shapes, compute_load)
-        self.local_shard = torch.zeros(self.layout.shard_size, dtype=self.dtype, device=self.device)
-        with torch.no_grad():
-            for i, sp in enumerate(self.sharded_params):
-                lo, hi = self.layout.local_range(self.rank, i)
-                src = full[i].reshape(-1)[lo:hi]
-                dst = self._local_slice(i)
-                dst.copy_(src)
-                sp.data = dst
-                sp.grad = None
-        self.sharded_grad = None
+        self.layout = self._plan(old_layout.shapes, compute_load)
+        self.local_shard = self._redistribute(old_layout, old_shard, self.layout)
+        for i, sp in enumerate(self.sharded_params):
+            sp.data = self._local_slice(i)
+            sp.grad = None
+        self._sharded_grad = None
         self.is_unsharded, self.stale = False, True
         self._build_unsharded_params()
         return True
+
+    def _pieces(self, src_layout: Layout, src_rank: int, dst_layout: Layout, dst_rank: int):
+        """``(param, lo, hi)``: the runs of elements that ``src_rank`` holds under ``src_layout`` and ``dst_rank``
+        holds under ``dst_layout``, in param order."""
+        for i in range(len(self.sharded_params)):
+            a_lo, a_hi = src_layout.local_range(src_rank, i)
+            b_lo, b_hi = dst_layout.local_range(dst_rank, i)
+            lo, hi = max(a_lo, b_lo), min(a_hi, b_hi)
+            if hi > lo:
+                yield i, lo, hi
+
+    @torch.no_grad()
+    def _redistribute(self, old: Layout, old_shard: torch.Tensor, new: Layout) -> torch.Tensor:
+        """This rank's shard under ``new`` from every rank's shard under ``old``: one all-to-all moving each element
+        straight to its new owner, so a re-plan holds O(S) extra bytes, never the unit whole."""
+
+        def at(layout, rank, i, lo):  # position of element lo of param i in ``rank``'s shard under ``layout``
+            return layout.offsets[i] + lo - rank * layout.shard_size
+
+        send, in_splits, out_splits = [], [], []
+        for dst in range(self.world_size):
+            pieces = list(self._pieces(old, self.rank, new, dst))
+            send += [old_shard[at(old, self.rank, i, lo) : at(old, self.rank, i, lo) + hi - lo] for i, lo, hi in pieces]
+            in_splits.append(sum(hi - lo for _, lo, hi in pieces))
+        recv_pieces = [list(self._pieces(old, src, new, self.rank)) for src in range(self.world_size)]
+        out_splits = [sum(hi - lo for _, lo, hi in pieces) for pieces in recv_pieces]
+        inp = torch.cat(send) if send else old_shard[:0]
+        out = torch.empty(sum(out_splits), dtype=self.dtype, device=self.device)
+        if self.world_size > 1:
+            all_to_all_flat(out, inp, out_splits, in_splits, group=self.group)
+        else:
+            out.copy_(inp)
+        shard = torch.zeros(new.shard_size, dtype=self.dtype, device=self.device)
+        pos = 0
+        for pieces in recv_pieces:
+            for i, lo, hi in pieces:
+                start = at(new, self.rank, i, lo)
+                shard[start : start + hi - lo].copy_(out[pos : pos + hi - lo])
+                pos += hi - lo
+        return shard
 
     def _gather_master(self) -> list[torch.Tensor]:
         """Every param's full master value, by one all-gather of the local shard (used by relayout)."""
@@ -271,10 +306,11 @@ class FlatUnit:
                     setattr(new_sp, _INFO_ATTR, getattr(sp, _INFO_ATTR))
                     self.sharded_params[i] = new_sp
             if self.sharded_grad is not None:
-                self.sharded_grad = fn(self.sharded_grad)
+                grads = fn(self.sharded_grad)
+                self._sharded_grad = weakref.ref(grads)
                 for i, sp in enumerate(self.sharded_params):
                     if sp.grad is not None:
-                        sp.grad = self._shard_view(self.sharded_grad, i)
+                        sp.grad = self._shard_view(grads, i)
             self.pending_gather = self.pending_reduce = None
             self.is_unsharded, self.stale = False, True
             self.drop_grad_buffers()
@@ -444,17 +480,28 @@ class FlatUnit:
         out = out.to(self.dtype)
         if post != 1.0:
             out.div_(post)
-        fresh = all(sp.grad is None for sp, rg in zip(self.sharded_params, self.requires_grad) if rg)
-        if self.sharded_grad is None or fresh:
-            self.sharded_grad = out
-        else:  # accumulate into grads the user kept from an earlier step
-            for i, sp in enumerate(self.sharded_params):
-                if self.requires_grad[i] and sp.grad is None:
-                    self._shard_view(self.sharded_grad, i).zero_()
-            self.sharded_grad.add_(out)
-        for i, sp in enumerate(self.sharded_params):
-            if self.requires_grad[i]:
-                sp.grad = self._shard_view(self.sharded_grad, i)
+        trainable = [i for i, rg in enumerate(self.requires_grad) if rg]
+        kept = [self.sharded_params[i].grad for i in trainable if self.sharded_params[i].grad is not None]
+        buf = self.sharded_grad
+        if kept and buf is not None and all(_same_storage(g, buf) for g in kept):
+            for i in trainable:  # accumulate into the grads kept from an earlier backward, in place
+                if self.sharded_params[i].grad is None:
+                    self._shard_view(buf, i).zero_()
+            out = buf.add_(out)
+        for i in trainable:
+            sp = self.sharded_params[i]
+            if sp.grad is None or _same_storage(sp.grad, out):
+                sp.grad = self._shard_view(out, i)
+            else:  # a grad the user replaced by a tensor of their own: add to it
+                sp.grad.add_(self._shard_view(out, i))
+        # Only a weak reference: once zero_grad() drops the grads the buffer is freed, as FSDP2 holds nothing either.
+        self._sharded_grad = weakref.ref(out)
+
+    @property
+    def sharded_grad(self) -> torch.Tensor | None:
+        """The [S] buffer the sharded params' grads are views of, while any of them is alive."""
+        ref = getattr(self, "_sharded_grad", None)
+        return ref() if ref is not None else None
 
     # ----- gathers for users --------------------------------------------------------------------------------
     def gather_full(self, i: int, local: torch.Tensor) -> torch.Tensor:
@@ -464,3 +511,7 @@ class FlatUnit:
         out = torch.empty(self.layout.total_size, dtype=local.dtype, device=self.device)
         all_gather_flat(out, buf, group=self.group)
         return self._full_slice(out, i).clone()
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()

@@ -16,6 +16,7 @@ from ragged_optim.sharding.comm_policy import CommPolicy
 from ragged_optim.sharding.flat_unit import FlatUnit
 from ragged_optim.sharding.runtime import ModuleState, cast_floating
 from ragged_optim.sharding.sharded_param import shard_info
+from ragged_optim.sharding.state_dict import register_state_dict_hooks
 
 _STATE_ATTR = "_ragged_state"
 
@@ -295,6 +296,7 @@ def fully_shard(
     module.register_forward_pre_hook(_pre_forward_hook, prepend=True, with_kwargs=True)
     module.register_forward_hook(_post_forward_hook, always_call=True)
     _mix_in(module)
+    register_state_dict_hooks(module)  # state_dict()/load_state_dict() speak DCP (sharding/state_dict.py)
     return module
 
 

@@ -200,3 +200,34 @@ def test_torch_compile_of_sharded_blocks():
     compiled, recompiles, new_graphs = out["compiled"]
     assert all(torch.equal(a, b) for a, b in zip(eager, compiled))
     assert recompiles == {} and new_graphs == 0
+
+
+# ------------------------------------------------------------------------------------------ gradient lifetimes
+
+
+def _grad_buffers_alive(rank, world_size):
+    model = shard(make_model(n_blocks=6), fully_shard)
+    units = units_of(model)
+    alive_counts = []
+
+    def holding():  # units holding a W*S grad buffer: being filled, or read by a reduce-scatter in flight
+        return sum(u.grad_buf is not None or u.pending_reduce is not None for u in units)
+
+    def probe(block, x):  # counts during backward, each time the grads of a block's input are done
+        x = x.view_as(x)
+        x.register_hook(lambda g: alive_counts.append(holding()))
+        return block(x)
+
+    model.block_call = probe
+    x, y = batch(0)
+    loss_fn(model, local_rows(x, rank, world_size), local_rows(y, rank, world_size)).backward()
+    return max(alive_counts), holding(), len(units)
+
+
+def test_unsharded_grads_are_freed_as_backward_goes():
+    """Main: every unit's flat grad buffer stayed alive, held by its pending reduce-scatter, until the end of
+    backward, so each rank held the whole model's unsharded grads. Now at most three units hold one at a time: the
+    root (its reduce-scatter runs at the end: its first input, the token ids, needs no grad), the unit in backward,
+    and the one whose reduce-scatter is in flight (docs/runtime.md)."""
+    most, after, n_units = run_on_ranks(_grad_buffers_alive, 2)[0]
+    assert n_units == 7 and most <= 3 and after == 0
