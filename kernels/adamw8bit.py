@@ -1,9 +1,16 @@
 """Public fused 8-bit AdamW step with device dispatch (CUDA tensors -> Triton, others -> torch reference).
 
 State layout per param chunk of ``numel`` elements in blocks of ``block_size`` (last block may be short):
-``m_codes``/``v_codes`` uint8 (numel,), ``m_scales``/``v_scales`` fp32 (num_blocks,). First moment in the signed
-dynamic map, second in the unsigned one. Everything is updated in place. A block's result depends only on that
-block's data, so any run of whole blocks can be stepped on its own (sharded == unsharded, bit for bit).
+``m_codes``/``v_codes`` uint8 (numel,), ``m_scales``/``v_scales`` fp32 (num_blocks,). First moment ``m`` in the
+signed dynamic map; the second moment as its square root ``sqrt(v)`` in the unsigned one, whose codes never round a
+positive value to 0. Everything is updated in place. A block's result depends only on that block's data, so any
+run of whole blocks can be stepped on its own (sharded == unsharded, bit for bit).
+
+Why ``sqrt(v)`` (state format version 2; version 1 stored ``v``). An element whose gradient is ~1e-4 of its block's
+largest has ``m`` at ~1e-4 of the block's ``m`` scale but ``v`` at ~1e-8 of ``v``'s: below the unsigned map's
+smallest code (1e-7), so ``v`` decoded to 0 while ``m`` did not and the update was ``lr * m_hat / eps``: hundreds
+of lr. ``sqrt(v)`` spans the same decades as ``m``, so such an element keeps 4-5 significant bits; the zero floor
+of the map covers what is still smaller. The state stays one byte per element and moment.
 """
 
 from __future__ import annotations
@@ -14,6 +21,9 @@ import torch
 
 from .adamw8bit_ref import adamw8bit_ref
 from .blockwise import check_block_size, choose_impl, num_blocks
+
+#: What the 8-bit state means: 2 = ``v`` stored as ``sqrt(v)`` with the zero floor; 1 = ``v`` itself.
+STATE_FORMAT_VERSION = 2
 
 
 def _f32(x: float) -> float:
@@ -73,7 +83,8 @@ def adamw8bit_step(
 
     ``p`` fp32, ``g`` fp32/bf16/fp16 (same numel), ``step`` is the 1-based step count after this update. Update
     (decoupled weight decay): ``p *= 1 - lr*wd; m = b1*m + (1-b1)*g; v = b2*v + (1-b2)*g*g;
-    p -= lr/(1-b1**t) * m / (sqrt(v)/sqrt(1-b2**t) + eps)``, then both moments are requantized per block."""
+    p -= lr/(1-b1**t) * m / (sqrt(v)/sqrt(1-b2**t) + eps)``, then ``m`` and ``sqrt(v)`` are requantized per
+    block (``v_codes``/``v_scales`` hold ``sqrt(v)``)."""
     check_block_size(block_size)
     n = p.numel()
     nb = num_blocks(n, block_size)

@@ -28,20 +28,22 @@ def _adamw8bit_kernel(p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr,
         tl.load(mc_ptr + offs, mask=mask, other=0).to(tl.int32), tl.load(ms_ptr + row, mask=rmask, other=0.0),
         s_vals, 1,
     )  # fmt: skip
-    v = dequantize_tile(
+    r = dequantize_tile(
         tl.load(vc_ptr + offs, mask=mask, other=0).to(tl.int32), tl.load(vs_ptr + row, mask=rmask, other=0.0),
         u_vals, 2,
     )  # fmt: skip
+    v = r * r  # the state holds sqrt(v)
     p = p * decay
     m = m * b1 + g * c1
     v = v * b2 + (g * g) * c2
-    denom = tl.sqrt_rn(v) * inv_sqrt_bc2 + eps
+    r = tl.sqrt_rn(v)
+    denom = r * inv_sqrt_bc2 + eps
     p = p - tl.math.div_rn(m, denom) * step_size
     tl.store(p_ptr + offs, p, mask=mask)
     mc, ms = quantize_tile(m, mask, s_mids, s_lut, 1, S_SHIFT, S_KEY_LO, S_LUT_LEN)
     tl.store(mc_ptr + offs, mc.to(tl.uint8), mask=mask)
     tl.store(ms_ptr + row, ms, mask=rmask)
-    vc, vs = quantize_tile(v, mask, u_mids, u_lut, 2, U_SHIFT, U_KEY_LO, U_LUT_LEN)
+    vc, vs = quantize_tile(r, mask, u_mids, u_lut, 2, U_SHIFT, U_KEY_LO, U_LUT_LEN)
     tl.store(vc_ptr + offs, vc.to(tl.uint8), mask=mask)
     tl.store(vs_ptr + row, vs, mask=rmask)
 

@@ -20,8 +20,9 @@ HP = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
 
 
 def _state_from(m: torch.Tensor, v: torch.Tensor, bs: int) -> dict:
+    """The state of moments ``m`` and ``v`` (format 2: the v codes hold sqrt(v))."""
     mc, ms = quantize_blockwise(m, bs, "dynamic")
-    vc, vs = quantize_blockwise(v, bs, "dynamic_unsigned")
+    vc, vs = quantize_blockwise(torch.from_numpy(np.sqrt(v.numpy())), bs, "dynamic_unsigned")
     return {"m_codes": mc, "m_scales": ms, "v_codes": vc, "v_scales": vs}
 
 
@@ -31,8 +32,8 @@ def _step(p, g, s, step, bs, **kw):
 
 def _moments(s, bs, n):
     m = dequantize_blockwise(s["m_codes"], s["m_scales"], bs, "dynamic", n)
-    v = dequantize_blockwise(s["v_codes"], s["v_scales"], bs, "dynamic_unsigned", n)
-    return m, v
+    r = dequantize_blockwise(s["v_codes"], s["v_scales"], bs, "dynamic_unsigned", n)
+    return m, r * r
 
 
 def _rand(n, seed):
