@@ -43,6 +43,24 @@ def adamw8bit_constants(
     return tuple(_f32(v) for v in vals)
 
 
+def adamw8bit_m_bound(step: int, beta1: float, beta2: float) -> float:
+    """``C_t``: exact Adam from zero state has ``|m_t| <= C_t * sqrt(v_t)`` at step ``t`` (Cauchy-Schwarz on the two
+    moving sums: ``C_t = (1 - b1) * sqrt(sum_{k<t} (b1**2 / b2)**k / (1 - b2))``), as an fp32 value (inf when
+    unbounded). The kernel clamps the updated ``m`` into ``[-C_t r, C_t r]``: a no-op for exact moments, it removes
+    what quantization error adds (an ``m`` rounded up next to an ``r`` rounded down), so the step is at most
+    ``lr * C_t * sqrt(1 - b2**t) / (1 - b1**t)`` (1.0 at t=1, 1.17 later, for betas (0.9, 0.95)), as fp32 AdamW's."""
+    if step < 1:
+        raise ValueError(f"step counts from 1, got {step}")
+    if beta2 == 0.0:
+        return math.inf
+    q = beta1 * beta1 / beta2
+    try:
+        s = float(step) if q == 1.0 else (q**step - 1.0) / (q - 1.0)
+    except OverflowError:
+        return math.inf
+    return _f32((1.0 - beta1) * math.sqrt(s / (1.0 - beta2)))
+
+
 def init_adamw8bit_state(numel: int, block_size: int, device=None) -> dict[str, torch.Tensor]:
     """Zero state (both moments exactly 0) for a chunk of ``numel`` elements."""
     nb = num_blocks(numel, block_size)
@@ -83,7 +101,8 @@ def adamw8bit_step(
 
     ``p`` fp32, ``g`` fp32/bf16/fp16 (same numel), ``step`` is the 1-based step count after this update. Update
     (decoupled weight decay): ``p *= 1 - lr*wd; m = b1*m + (1-b1)*g; v = b2*v + (1-b2)*g*g;
-    p -= lr/(1-b1**t) * m / (sqrt(v)/sqrt(1-b2**t) + eps)``, then ``m`` and ``sqrt(v)`` are requantized per
+    m = clamp(m, -C_t sqrt(v), C_t sqrt(v))`` (:func:`adamw8bit_m_bound`: a no-op for exact moments);
+    ``p -= lr/(1-b1**t) * m / (sqrt(v)/sqrt(1-b2**t) + eps)``, then ``m`` and ``sqrt(v)`` are requantized per
     block (``v_codes``/``v_scales`` hold ``sqrt(v)``)."""
     check_block_size(block_size)
     n = p.numel()
@@ -105,7 +124,7 @@ def adamw8bit_step(
                 f"{name} must be a contiguous {dt} tensor of {size} elements on {p.device} "
                 f"(block_size={block_size}), got {t.dtype} {tuple(t.shape)} on {t.device}"
             )
-    consts = adamw8bit_constants(step, lr, beta1, beta2, eps, weight_decay)
+    consts = (*adamw8bit_constants(step, lr, beta1, beta2, eps, weight_decay), adamw8bit_m_bound(step, beta1, beta2))
     args = (p.view(-1), g.view(-1), m_codes.view(-1), m_scales, v_codes.view(-1), v_scales, block_size, consts)
     if choose_impl(p, impl) == "triton":
         from .adamw8bit_triton import adamw8bit_triton

@@ -9,6 +9,8 @@ root ``r = sqrt(v)`` (see :mod:`ragged_optim.kernels.adamw8bit`):
     m = b1 * m + c1 * g                       c1 = 1 - b1
     v = b2 * v + c2 * (g * g)                 c2 = 1 - b2
     r = sqrt(v)
+    bound = r * m_bound                       m_bound = C_t of adamw8bit_m_bound (|m| <= C_t sqrt(v) in exact Adam)
+    m = bound if m > bound; -bound if m < -bound; else m
     denom = r * inv_sqrt_bc2 + eps            inv_sqrt_bc2 = 1 / sqrt(1 - b2**step)
     p = p - step_size * (m / denom)           step_size = lr / (1 - b1**step)
     m_code, m_scale = quantize(m, "dynamic");  v_code, v_scale = quantize(r, "dynamic_unsigned")
@@ -45,7 +47,7 @@ def adamw8bit_ref(
     block_size: int,
     consts: tuple[float, ...],
 ) -> None:
-    decay, b1, c1, b2, c2, inv_sqrt_bc2, eps, step_size = consts
+    decay, b1, c1, b2, c2, inv_sqrt_bc2, eps, step_size, m_bound = consts
     for e0, b0, rows, n in block_rows(p.numel(), block_size, chunk_elems_for(p.device)):
         e1 = e0 + rows * n
         pb = p[e0:e1].view(rows, n)
@@ -57,6 +59,8 @@ def adamw8bit_ref(
         m.mul_(b1).add_(gb * c1)
         v.mul_(b2).add_((gb * gb).mul_(c2))
         r = ieee_sqrt_(v)
+        bound = r * m_bound
+        m = torch.where(m > bound, bound, torch.where(m < -bound, -bound, m))
         denom = (r * inv_sqrt_bc2).add_(eps)
         pb.sub_(torch.div(m, denom).mul_(step_size))
         mc, ms = quantize_rows(m, "dynamic")

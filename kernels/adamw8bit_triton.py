@@ -13,7 +13,7 @@ from .quant_triton import LAUNCH_OPTS, dequantize_tile, quantize_tile, tile_shap
 @triton.jit(do_not_specialize=["numel", "num_blocks", "BS"])
 def _adamw8bit_kernel(p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr,
                       s_vals, s_mids, s_lut, u_vals, u_mids, u_lut,
-                      numel, num_blocks, decay, b1, c1, b2, c2, inv_sqrt_bc2, eps, step_size,
+                      numel, num_blocks, decay, b1, c1, b2, c2, inv_sqrt_bc2, eps, step_size, m_bound,
                       BS, ROWS: tl.constexpr, COLS: tl.constexpr,
                       S_SHIFT: tl.constexpr, S_KEY_LO: tl.constexpr, S_LUT_LEN: tl.constexpr,
                       U_SHIFT: tl.constexpr, U_KEY_LO: tl.constexpr, U_LUT_LEN: tl.constexpr):  # fmt: skip
@@ -37,6 +37,8 @@ def _adamw8bit_kernel(p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr,
     m = m * b1 + g * c1
     v = v * b2 + (g * g) * c2
     r = tl.sqrt_rn(v)
+    bound = r * m_bound
+    m = tl.where(m > bound, bound, tl.where(m < -bound, -bound, m))  # |m| <= C_t sqrt(v), as in exact Adam
     denom = r * inv_sqrt_bc2 + eps
     p = p - tl.math.div_rn(m, denom) * step_size
     tl.store(p_ptr + offs, p, mask=mask)

@@ -39,6 +39,7 @@ from ragged_optim.kernels import (
     FORMATS,
     STATE_FORMAT_VERSION,
     adamw8bit_constants,
+    adamw8bit_m_bound,
     adamw8bit_step,
     code_dtype,
     dequantize_blockwise,
@@ -169,8 +170,10 @@ class AdamW8bit(RaggedOptimizer):
             raise ValueError("qmaps[0] (the first moment, signed) cannot be 'dynamic_unsigned'")
 
     def _group_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
-        # a state dict saved before state_format existed (format 1) lacks it: load_state_dict converts that state
-        return tuple(k for k in self.defaults if k != "state_format")
+        # A state dict saved before state_format existed (format 1) lacks it: load_state_dict converts that state.
+        # Not self.defaults: torch's __setstate__ (run by every load) adds "differentiable" there, which our saved
+        # groups never hold, so a second load into the same optimizer was refused.
+        return ("lr", "betas", "eps", "weight_decay", "block_size", "min_8bit_size", "qmaps")
 
     def _state_keys(self, group: dict[str, Any], p: Tensor) -> tuple[str, ...]:
         return ("step", *STATE_KEYS_8BIT) if self._is_8bit(p, group) else ("step", "exp_avg", "exp_avg_sq")
@@ -639,6 +642,8 @@ def _unfused_step(
     m.mul_(b1).add_(gf * c1)
     v.mul_(b2).add_((gf * gf).mul_(c2))
     r = ieee_sqrt_(v)
+    bound = r * adamw8bit_m_bound(step, beta1, beta2)
+    m = torch.where(m > bound, bound, torch.where(m < -bound, -bound, m))
     denom = (r * inv_sqrt_bc2).add_(eps32)
     p.sub_(torch.div(m, denom).mul_(step_size))
     quantize_blockwise(m, block_size, m_fmt, codes=state["exp_avg_codes"], scales=state["exp_avg_scales"])
