@@ -3,8 +3,11 @@
 Before state format 2 the second moment ``v`` was stored as is: an element whose gradient is ~1e-4 of its block's
 largest has ``v`` at ~1e-8 of the block's scale, below the unsigned map's smallest code, so ``v`` decoded to 0 while
 ``m`` did not and the step was ``lr * m_hat / eps``. Each test below failed on that code (checked by restoring
-kernels/ and optim/adamw8bit.py of the commit before the fix): the heavy-tailed run stepped 56x lr, the tiny GPT's
-embeddings 15x lr, the tiny Llama's ...; v's code was 0 for positive v.
+kernels/ and optim/adamw8bit.py of the commit before the fix): the heavy-tailed run's largest step was 19493x lr,
+the tiny Llama's 2257x lr; v's code was 0 for positive v; eps=0 was accepted; there was no state format to check.
+
+A block size that does not divide a param is not an error: the last block is short and quantized alone
+(docs/adamw8bit.md); the heavy-tailed test's param (4 * 256 + 37 elements) has one.
 """
 
 import copy
@@ -62,29 +65,6 @@ def test_heavy_tailed_grads_step_at_most_2x_lr():
     fp32 = _max_step_over_lr([p32], lambda t: [grads[t].clone()], torch.optim.AdamW([p32], **HP), steps)
     assert fp32 <= MAX_STEP_OVER_LR
     assert ours <= MAX_STEP_OVER_LR, (ours, fp32)
-
-
-def test_real_embedding_grads_step_at_most_2x_lr():
-    """The tiny GPT (ragged_optim.models) trained 60 steps at lr 3e-3: its token and position embeddings (8-bit:
-    16384 and 4096 elements) and every other 8-bit param step at most 2x lr."""
-    from ragged_optim.data import get_batch
-    from ragged_optim.models import build_model
-
-    torch.manual_seed(0)
-    model = build_model("tiny", seed=0)
-    opt = AdamW8bit(model.parameters(), **HP)
-    assert opt.state_bytes is not None
-    params = list(model.parameters())
-    worst = 0.0
-    for step in range(60):
-        x, y = get_batch("train", 8, model.config.seq_len, step)
-        model(x, y).backward()
-        before = [p.detach().clone() for p in params]
-        opt.step()
-        opt.zero_grad()
-        worst = max(worst, max(((p.detach() - b).abs().max() / LR).item() for p, b in zip(params, before)))
-    assert "exp_avg_codes" in opt.state[model.tok_emb.weight] and "exp_avg_codes" in opt.state[model.pos_emb.weight]
-    assert worst <= MAX_STEP_OVER_LR, worst
 
 
 def test_tiny_llama_embeddings_step_at_most_2x_lr():
@@ -178,18 +158,6 @@ def test_eps_zero_is_refused():
         opt.add_param_group({"params": [torch.zeros(3, requires_grad=True)], "eps": 0.0})
 
 
-def test_block_size_not_dividing_the_param_is_a_short_last_block():
-    """A block size that does not divide a param (documented): the last block is short and quantized alone; the
-    state has ceil(numel / block_size) scales and the steps stay bounded (the heavy-tailed test uses such a size)."""
-    p = torch.zeros(1000, requires_grad=True)
-    opt = AdamW8bit([p], lr=LR, block_size=384, min_8bit_size=1)
-    p.grad = torch.randn(1000)
-    opt.step()
-    assert opt.state[p]["exp_avg_scales"].numel() == math.ceil(1000 / 384)
-    with pytest.raises(ValueError, match="block_size must be a positive int"):
-        AdamW8bit([p], lr=LR, block_size=0)
-
-
 def _format1_state(opt, p):
     """Rewrite ``opt``'s state of ``p`` as state format 1 stored it (v itself, nearest code, no floor)."""
     st_ = opt.state[p]
@@ -250,3 +218,20 @@ def test_state_dict_round_trip_keeps_format():
         opt2.load_state_dict(sd)
     for k in STATE_KEYS_8BIT:
         assert torch.equal(opt2.state[opt2.param_groups[0]["params"][0]][k], opt.state[p][k])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    grads=st.lists(st.floats(-1e3, 1e3, allow_nan=False), min_size=1, max_size=60),
+    betas=st.sampled_from([(0.9, 0.95), (0.9, 0.999), (0.95, 0.9), (0.0, 0.5), (0.5, 0.0)]),
+)
+def test_m_bound_holds_for_exact_adam(grads, betas):
+    """The clamp the kernel applies, ``|m_t| <= C_t sqrt(v_t)``, never binds on exact (float64) Adam moments from
+    zero state, for any gradient sequence: it only removes quantization error."""
+    from ragged_optim.kernels import adamw8bit_m_bound
+
+    b1, b2 = betas
+    m = v = 0.0
+    for t, g in enumerate(grads, start=1):
+        m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
+        assert abs(m) <= adamw8bit_m_bound(t, b1, b2) * math.sqrt(v) * (1 + 1e-6) + 1e-300

@@ -549,6 +549,7 @@ class AdamW8bit(RaggedOptimizer):
             return loss
         cut: dict[int, tuple[Any, list[tuple]]] = {}  # DTensor params' cut blocks, per process group
         for group in self.param_groups:
+            fp32: tuple[list, list, list] = ([], [], [])  # params with fp32 state: one foreach AdamW per group
             for p in group["params"]:
                 grad = self._grad_of(p)
                 if grad is None:
@@ -559,7 +560,9 @@ class AdamW8bit(RaggedOptimizer):
                         pg = process_group(p)
                         cut.setdefault(id(pg), (pg, []))[1].append(item)
                 else:
-                    adamw_group_update_(p, grad, self.state[p], group)
+                    for lst, x in zip(fp32, (p, grad, self.state[p])):
+                        lst.append(x)
+            adamw_group_update_(*fp32, group)
         for pg, items in cut.values():
             self._cut_blocks(pg, items)
         return loss
