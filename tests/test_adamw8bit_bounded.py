@@ -222,7 +222,7 @@ def test_state_dict_round_trip_keeps_format():
 
 @settings(max_examples=200, deadline=None)
 @given(
-    grads=st.lists(st.floats(-1e3, 1e3, allow_nan=False), min_size=1, max_size=60),
+    grads=st.lists(st.floats(-1e3, 1e3).map(lambda x: x if abs(x) > 1e-30 else 0.0), min_size=1, max_size=60),
     betas=st.sampled_from([(0.9, 0.95), (0.9, 0.999), (0.95, 0.9), (0.0, 0.5), (0.5, 0.0)]),
 )
 def test_m_bound_holds_for_exact_adam(grads, betas):
@@ -234,4 +234,5 @@ def test_m_bound_holds_for_exact_adam(grads, betas):
     m = v = 0.0
     for t, g in enumerate(grads, start=1):
         m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
-        assert abs(m) <= adamw8bit_m_bound(t, b1, b2) * math.sqrt(v) * (1 + 1e-6) + 1e-300
+        c = adamw8bit_m_bound(t, b1, b2)  # inf (no clamp) when b2 == 0
+        assert c == math.inf or abs(m) <= c * math.sqrt(v) * (1 + 1e-6) + 1e-300

@@ -52,7 +52,8 @@ if not CUDA and not INTERPRET:
         ints = {"numel": "i32", "num_blocks": "i32", "BS": "i32"}
         sig = {k: "*fp32" for k in ("p_ptr", "g_ptr", "ms_ptr", "vs_ptr", "s_vals", "s_mids", "u_vals", "u_mids")}
         sig.update({k: "*u8" for k in ("mc_ptr", "vc_ptr", "s_lut", "u_lut")}, **ints)
-        sig.update({k: "fp32" for k in ("decay", "b1", "c1", "b2", "c2", "inv_sqrt_bc2", "eps", "step_size", "m_bound")})
+        consts = ("decay", "b1", "c1", "b2", "c2", "inv_sqrt_bc2", "eps", "step_size", "m_bound")
+        sig.update({k: "fp32" for k in consts})
         tables = dict(S_SHIFT=s.shift, S_KEY_LO=s.key_lo, S_LUT_LEN=s.lut.numel())
         tables.update(U_SHIFT=u.shift, U_KEY_LO=u.key_lo, U_LUT_LEN=u.lut.numel())
         ptx = {"adamw8bit": _compile_ptx(_adamw8bit_kernel, sig, dict(ROWS=8, COLS=256, **tables))}
