@@ -13,7 +13,8 @@ A Muon step has three phases, kept apart so that a sharded subclass can replace 
 AdamW params only ever take elementwise steps (:func:`adamw_update_`), so they work on shards unchanged.
 
 Numerics of the Muon params match ``torch.optim.Muon`` (same op sequence; with ``ns_matmul="native"`` bitwise on
-CPU in our tests), and of the AdamW params match ``torch.optim.AdamW`` (single-tensor path, bitwise).
+CPU in our tests), and of the AdamW params match ``torch.optim.AdamW`` (single-tensor path, bitwise), computed with
+foreach ops for all of a group's AdamW params at once (:func:`adamw_foreach_update_`).
 """
 
 from __future__ import annotations
