@@ -30,6 +30,7 @@ from __future__ import annotations
 import copy
 import math
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -255,7 +256,11 @@ def run(world_size: int | None = None, steps: int | None = None, *, seeds=DEFAUL
     rows = list(dict.fromkeys(rows))  # fp32 AdamW is in two families: trained once
     corpus = load_corpus()
     torch.set_num_threads(1)
-    per_seed = {seed: _train_seed(rows, seed, steps, corpus) for seed in seeds}
+    per_seed = {}
+    for seed in seeds:
+        t0 = time.perf_counter()
+        per_seed[seed] = _train_seed(rows, seed, steps, corpus)
+        print(f"[bench peers] seed {seed}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     tables: dict[str, dict[str, dict]] = {}
     for fam, fam_rows in families.items():
         ours = fam_rows[0]
