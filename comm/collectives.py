@@ -15,10 +15,12 @@ def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group=None, async
     return fn(output, shard, group=group, async_op=async_op)
 
 
-def reduce_scatter_flat(shard_out: torch.Tensor, full: torch.Tensor, group=None, async_op: bool = False):
-    """Sum ``full`` (W*S elements) across ranks and write this rank's S-element slice into ``shard_out``."""
+def reduce_scatter_flat(
+    shard_out: torch.Tensor, full: torch.Tensor, group=None, async_op: bool = False, op=dist.ReduceOp.SUM
+):
+    """Reduce ``full`` (W*S elements) across ranks (a sum by default) into this rank's S-element ``shard_out``."""
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return fn(shard_out, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return fn(shard_out, full, op=op, group=group, async_op=async_op)
 
 
 def all_to_all_flat(output: torch.Tensor, input: torch.Tensor, out_splits, in_splits, group=None):
@@ -26,3 +28,22 @@ def all_to_all_flat(output: torch.Tensor, input: torch.Tensor, out_splits, in_sp
     return dist.all_to_all_single(
         output, input, output_split_sizes=list(out_splits), input_split_sizes=list(in_splits), group=group
     )
+
+
+def grad_divide_plan(group, dtype: torch.dtype, divisor: int) -> tuple[float, float, object]:
+    """How to average a gradient over ``divisor`` contributions: ``(pre, post, op)``, meaning divide by ``pre``
+    before the reduction with ``op`` and by ``post`` after it.
+
+    NCCL averages in the collective itself (``ReduceOp.AVG``) except for fp16, where summing first can overflow.
+    Elsewhere (gloo has no AVG), and for fp16, the division is split around a SUM as FSDP does: ``pre`` is the
+    smallest power of two at least sqrt(divisor), so the sum of the pre-divided addends is at most sqrt(divisor)
+    times the largest of them, and small values lose at most half the exponent range a full pre-division would
+    cost. A power-of-two ``pre`` is exact in any float format, so for fp32 and bf16 the result equals summing
+    first and dividing once."""
+    backend = dist.get_backend(group) if dist.is_initialized() else "gloo"
+    if backend == "nccl" and dtype != torch.float16:
+        return 1.0, 1.0, dist.ReduceOp.AVG
+    pre = 1
+    while pre * pre < divisor:
+        pre *= 2
+    return float(pre), divisor / pre, dist.ReduceOp.SUM

@@ -18,6 +18,7 @@ from ragged_optim.sharding import (
     full_tensor,
     fully_shard,
     get_full_state_dict,
+    init_weights,
     load_full_state_dict,
     shard_info,
 )
@@ -39,6 +40,7 @@ __all__ = [
     "full_tensor",
     "fully_shard",
     "get_full_state_dict",
+    "init_weights",
     "load_full_state_dict",
     "muon_param_groups",
     "shard_info",

@@ -1,37 +1,44 @@
-"""Sharded checkpoints of a ``fully_shard`` model and its optimizers that load at any world size.
+"""Sharded checkpoints of a model (``ragged_optim.fully_shard``, torch FSDP2 or plain) and its optimizers, in
+torch's own distributed-checkpoint (DCP) format, that load at any world size.
 
-Format. A checkpoint is a folder written by ``torch.distributed.checkpoint`` (``dcp.save`` with a
-``FileSystemWriter``: every rank writes its own file, in parallel) plus ``meta.pt`` (names, full shapes, param
-groups, the caller's ``extra``) and a ``COMPLETE`` marker written last. Every ragged-sharded tensor is described to
-DCP as a chunk of a *global 1-D tensor*: rank k's piece ``[lo, hi)`` of the flattened param is a
-``ShardedTensor`` shard at offset ``lo`` of a tensor of ``numel`` elements (built with
-``ShardedTensor._init_from_local_shards_and_global_metadata`` from the layout every rank knows, so no collective is
-spent on metadata; ranks with an empty piece contribute no shard). Loading at another world size asks DCP for the
-new ranges and DCP reads the overlapping parts of the saved chunks: resharding is DCP's chunk overlap logic.
+Format (version 2). A checkpoint is a folder written by ``torch.distributed.checkpoint`` (every rank writes its own
+file, in parallel) plus ``meta.pt`` (format version, optimizer classes, param groups by name, the caller's
+``extra``) and a ``COMPLETE`` marker written last. The DCP keys are the ones torch's
+``dcp.save({"model": get_model_state_dict(m), "optim": get_optimizer_state_dict(m, opt)})`` writes:
 
-Optimizer state, per param and key (see :func:`state_kind`):
+- ``model.<name>``: every entry of ``model.state_dict()`` under its original name and full shape (a ragged param
+  is written as the rectangular chunks of its ranks' pieces, see :mod:`ragged_optim.sharding.ragged_dtensor`), so
+  ``dcp_to_torch_save``, a plain model and a torch FSDP2 model read it as they read their own;
+- ``optim.state.<name>.<key>``: optimizer state of param ``<name>``. State laid out like the param
+  (``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``, Shampoo ``momentum``, 8-bit ``*_codes``) has the param's full
+  shape; 8-bit ``*_scales`` (one fp32 per block of ``block_size`` elements of the flattened param) have shape
+  ``[ceil(numel / block_size)]``; ``step`` and the state of unsharded params are stored once;
+- ``optim.state.<name>.bands.<k>.<field>[.<i>]``: Shampoo's band ``k`` (rows ``[k*B, (k+1)*B)`` of the matrix view,
+  ``B = max_preconditioner_dim``): ``L``, ``R``, ``L_root``, ``R_root`` (list entries ``i``: one stack of tiles per
+  tile width) and ``graft``, written by the rank that computes the band; on load each band is read by the rank
+  that computes it under the new layout;
+- ``optim.param_groups.<g>.<key>``: the hyperparameters and (``params``) the param names of each group, as torch
+  writes them.
 
-- ``elem``: a tensor shaped like the param's local piece (AdamW moments, Muon momentum, 8-bit codes, Shampoo
-  momentum and 1-D grafting/diagonal state): a 1-D chunk ``[lo, hi)`` of ``numel`` elements;
-- ``block``: 8-bit scales, one per block of ``block_size`` (``*_scales`` keys of a group with ``block_size``): a
-  chunk ``[lo / block_size, ceil(hi / block_size))`` of ``ceil(numel / block_size)``; the layout never cuts a block,
-  so the blocks, and their scales, do not depend on the world size;
-- ``bands``: Shampoo's per-band factor and root matrices (``state["bands"][k]``), saved whole under the band index
-  by the rank that computes the band, and loaded by the rank that computes it under the new layout;
-- ``replicated``: everything else (``step``, state of unsharded params): identical on every rank, saved once.
+Every rank contributes its own keys to DCP's metadata, so no state is dropped at any setting. Several optimizers
+share the ``optim.state`` namespace (each param belongs to one); ``meta.pt`` says which groups are whose.
+
+Loading reads everything into fresh buffers first, checks every key and shape before that, and only after the read
+succeeded writes the optimizers (each restored on failure) and then the model: a failed load changes nothing.
+Every failure to read a checkpoint is a :class:`CheckpointError` naming the folder or file and the cause.
+``load_checkpoint`` also reads a plain torch DCP checkpoint of a model (``dcp.save(get_model_state_dict(m))`` or
+``dcp.save({"model": ...})``): model state only.
 
 Atomicity: data goes to ``<path>.tmp-<id>``; after every rank has finished, rank 0 writes ``meta.pt``, then
 ``COMPLETE``, then renames the folder to ``<path>`` (an older checkpoint at ``<path>`` is moved aside first and
-deleted after). A folder without ``COMPLETE`` is never loaded.
+deleted after). A folder of ours without ``COMPLETE`` is never loaded.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import uuid
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,6 +47,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ragged_optim.sharding import shard_info
+from ragged_optim.sharding.ragged_dtensor import RaggedDTensor
+from ragged_optim.sharding.state_dict import _block_ranges, _ranges, optimizer_state_to_dcp, sharded_dtensor
 
 __all__ = [
     "COMPLETE_MARKER",
@@ -54,11 +63,15 @@ __all__ = [
 
 COMPLETE_MARKER = "COMPLETE"
 META_FILE = "meta.pt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# Group hyperparameters that fix the shape of an optimizer's state: a checkpoint with other values cannot load.
+LAYOUT_KEYS = ("block_size", "max_preconditioner_dim", "min_8bit_size", "qmaps")
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be loaded (incomplete, another model, another optimizer); the message says why."""
+    """A checkpoint that cannot be written or read (incomplete, corrupt, another model, another optimizer, a newer
+    format); the message names the folder or file and says why. An ``Exception``, unlike torch's
+    ``CheckpointException``."""
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -87,54 +100,56 @@ def _broadcast_obj(obj):
     return box[0]
 
 
-@contextlib.contextmanager
-def _quiet_sharded_tensor():
-    """DCP warns that ShardedTensor is deprecated each time it touches one; we use it on purpose (see the module
-    doc), so keep the logs readable."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor.*", category=FutureWarning)
-        yield
+def _gather_objects(obj) -> list:
+    if not _dist_on():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _agree(error: str | None) -> None:
+    """Raise the first rank's error on every rank (so a check that fails on one rank fails everywhere, before any
+    rank changes anything)."""
+    errors = [e for e in _gather_objects(error) if e]
+    if errors:
+        raise CheckpointError(errors[0])
 
 
 def _is_dtensor(t) -> bool:
     return hasattr(t, "to_local") and hasattr(t, "placements")
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# global 1-D chunks
-# ---------------------------------------------------------------------------------------------------------------
+def _describe_failure(e: BaseException) -> str:
+    """The cause of a DCP failure in one line per failing rank (torch's CheckpointException carries them)."""
+    failures = getattr(e, "failures", None)
+    if failures:
+        parts = []
+        for rank, pair in sorted(failures.items()):
+            exc = pair[0] if isinstance(pair, tuple) else pair
+            parts.append(f"rank {rank}: {type(exc).__name__}: {exc}")
+        return "; ".join(parts)
+    return f"{type(e).__name__}: {e}"
 
 
-def _chunked(local: torch.Tensor, ranges: list[tuple[int, int]], my_rank: int, numel: int, group):
-    """``local`` (this rank's ``ranges[my_rank]`` of a 1-D tensor of ``numel`` elements) as a ShardedTensor."""
-    from torch.distributed._shard.metadata import ShardMetadata
-    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+def _reader(path: str):
+    """A FileSystemReader whose read errors name the file they came from."""
+    import torch.distributed.checkpoint as dcp
 
-    device = local.device.type
-    shards_md, local_shards = [], []
-    for r, (lo, hi) in enumerate(ranges):
-        if hi <= lo:
-            continue
-        global_rank = dist.get_global_rank(group, r) if group is not None else r
-        md = ShardMetadata(shard_offsets=[lo], shard_sizes=[hi - lo], placement=f"rank:{global_rank}/{device}")
-        shards_md.append(md)
-        if r == my_rank:
-            local_shards.append(Shard(local.reshape(-1), md))
-    props = TensorProperties(dtype=local.dtype, layout=torch.strided, requires_grad=False)
-    meta = ShardedTensorMetadata(shards_metadata=shards_md, size=torch.Size([numel]), tensor_properties=props)
-    with _quiet_sharded_tensor():
-        return ShardedTensor._init_from_local_shards_and_global_metadata(local_shards, meta, process_group=group)
+    class _NamingReader(dcp.FileSystemReader):
+        def _slice_file(self, file, sinfo):
+            self._reading = sinfo.relative_path
+            return super()._slice_file(file, sinfo)
 
+        def read_data(self, plan, planner):
+            try:
+                return super().read_data(plan, planner)
+            except Exception as e:
+                where = os.path.join(path, getattr(self, "_reading", "?"))
+                cause = str(e) or ("the file ends early: truncated?" if isinstance(e, EOFError) else "no message")
+                raise CheckpointError(f"file {where!r} could not be read ({type(e).__name__}: {cause})") from e
 
-def _param_ranges(p: torch.Tensor) -> tuple[list[tuple[int, int]], int, Any]:
-    info = shard_info(p)
-    layout = info.unit.layout
-    return [layout.local_range(r, info.index) for r in range(layout.world_size)], info.unit.rank, info.unit.group
-
-
-def _block_ranges(ranges: list[tuple[int, int]], block_size: int) -> list[tuple[int, int]]:
-    return [(lo // block_size, -(-hi // block_size)) if hi > lo else (0, 0) for lo, hi in ranges]
+    return _NamingReader(path)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -182,7 +197,7 @@ def _group_of(opt: torch.optim.Optimizer, p: torch.Tensor) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# state classification
+# state classification (also used by the consolidated export below)
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -239,82 +254,57 @@ def _unflatten_band(entries: dict[str, torch.Tensor]) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# building the DCP state dict
+# save
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _model_entries(model: nn.Module) -> tuple[dict[str, Any], dict[str, tuple]]:
-    sd, shapes = {}, {}
-    for name, t in model.state_dict(keep_vars=True).items():
-        if _is_dtensor(t):
-            raise CheckpointError(
-                f"model entry {name!r} is a torch DTensor (torch FSDP2); save_checkpoint handles ragged_optim."
-                "fully_shard models. Use torch.distributed.checkpoint.state_dict for FSDP2"
-            )
-        info = shard_info(t)
-        shapes[name] = (_full_shape(t), str(t.dtype))
-        if info is not None:
-            ranges, rank, group = _param_ranges(t)
-            if info.numel:
-                sd[f"model.{name}"] = _chunked(t.detach(), ranges, rank, info.numel, group)
-        else:
-            sd[f"model.{name}"] = t.detach()
-    return sd, shapes
-
-
-def _optim_entries(model, opt, which: int) -> tuple[dict[str, Any], dict]:
-    """DCP entries of one optimizer's state, and its schema for meta.pt."""
+def _optim_entries(model, opt, which: int, sd: dict, group_offset: int) -> dict:
+    """Add one optimizer's DCP entries to ``sd``; return its record for meta.pt."""
     fqns = _opt_fqns(model, opt, which)
-    sd: dict[str, Any] = {}
-    schema: dict[str, dict[str, Any]] = {}
     for p, fqn in zip(_opt_params(opt), fqns):
-        if _is_dtensor(p):
+        if _is_dtensor(p) and opt.state.get(p):
             raise CheckpointError(
-                f"optimizer {which} param {fqn!r} is a torch DTensor; save_checkpoint handles ragged_optim."
-                "fully_shard params and plain tensors"
+                f"optimizer {which} ({type(opt).__name__}) param {fqn!r} is a torch DTensor (FSDP2); save_checkpoint "
+                "saves optimizers of ragged_optim.fully_shard and plain params. For FSDP2 use "
+                "torch.distributed.checkpoint.state_dict.get_optimizer_state_dict with dcp.save"
             )
-        state = opt.state.get(p)
-        if not state:
-            continue
-        group = _group_of(opt, p)
-        entry: dict[str, Any] = {}
-        for key, v in state.items():
-            kind = state_kind(p, key, v, group)
-            base = f"optim.{which}.state.{fqn}.{key}"
-            if kind == "object":
-                entry[key] = ("object", v)
-            elif kind == "bands":
-                entry[key] = ("bands",)
+    osd = optimizer_state_to_dcp(opt, opt.state_dict())
+    ids = [i for g in osd["param_groups"] for i in g["params"]]
+    for pid, fqn in zip(ids, fqns):
+        for key, v in (osd["state"].get(pid) or {}).items():
+            base = f"optim.state.{fqn}.{key}"
+            if key == "bands" and isinstance(v, dict):
                 for k, band in v.items():
                     _flatten_band(f"{base}.{k}", band, sd)
-            elif kind == "replicated":
-                entry[key] = ("replicated",)
-                sd[base] = v
             else:
-                ranges, rank, pg = _param_ranges(p)
-                numel = shard_info(p).numel
-                if kind == "block":
-                    bs = group["block_size"]
-                    ranges, numel = _block_ranges(ranges, bs), -(-numel // bs)
-                entry[key] = (kind, str(v.dtype))
-                if numel:
-                    sd[base] = _chunked(v, ranges, rank, numel, pg)
-        schema[fqn] = entry
+                sd[base] = v
     groups = []
-    saved = opt.state_dict()["param_groups"]
     k = 0
-    for g in saved:
+    for gi, g in enumerate(osd["param_groups"]):
         g = dict(g)
         n = len(g["params"])
         g["params"] = fqns[k : k + n]
         k += n
         groups.append(g)
-    return sd, {"class": type(opt).__name__, "fqns": fqns, "groups": groups, "state": schema}
+        for hk, hv in g.items():
+            sd[f"optim.param_groups.{group_offset + gi}.{hk}"] = hv
+    return {"class": type(opt).__name__, "fqns": fqns, "groups": groups}
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# save
-# ---------------------------------------------------------------------------------------------------------------
+def _writable(folder: str) -> str | None:
+    """None when rank 0 can create ``folder`` and write into it, else why not."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+        probe = os.path.join(folder, ".probe")
+        with open(probe, "wb") as f:
+            f.write(b"0" * 4096)
+            f.flush()
+            os.fsync(f.fileno())
+        os.remove(probe)
+        return None
+    except OSError as e:
+        why = e.strerror or e
+        return f"cannot write the checkpoint folder {folder!r}: {why} (is the folder writable, with free space?)"
 
 
 def save_checkpoint(
@@ -323,12 +313,14 @@ def save_checkpoint(
     optimizers: Sequence[torch.optim.Optimizer] | torch.optim.Optimizer = (),
     extra: Any = None,
 ) -> str:
-    """Save ``model`` (sharded with ``ragged_optim.fully_shard``, or plain) and ``optimizers`` to the folder
-    ``path``; a collective: call it on every rank. ``extra`` (any picklable object, e.g. ``{"step": 100}``) is
-    stored as rank 0 has it and returned by :func:`load_checkpoint`. Returns ``path``.
+    """Save ``model`` (sharded with ``ragged_optim.fully_shard``, torch FSDP2, or plain) and ``optimizers`` to the
+    folder ``path`` in torch's DCP format (see the module doc); a collective: call it on every rank. ``extra`` (any
+    picklable object, e.g. ``{"step": 100}``) is stored as rank 0 has it and returned by :func:`load_checkpoint`.
+    Returns ``path``.
 
-    The folder appears only once every rank has written its part (see the module doc); an existing checkpoint at
-    ``path`` is replaced."""
+    The folder appears only once every rank has written its part; an existing checkpoint at ``path`` is replaced.
+    A folder that cannot be written, or a write that fails (disk full), raises :class:`CheckpointError` on every
+    rank and leaves any older checkpoint at ``path`` as it was."""
     import torch.distributed.checkpoint as dcp
 
     path = os.fspath(path)
@@ -336,27 +328,27 @@ def save_checkpoint(
         optimizers = (optimizers,)
     token = _broadcast_obj(uuid.uuid4().hex[:12] if _rank() == 0 else None)
     tmp = f"{path}.tmp-{token}"
-    sd, shapes = _model_entries(model)
-    schemas = []
+    sd: dict[str, Any] = {f"model.{k}": v for k, v in model.state_dict().items()}
+    records, offset = [], 0
     for j, opt in enumerate(optimizers):
-        osd, schema = _optim_entries(model, opt, j)
-        sd.update(osd)
-        schemas.append(schema)
-    if _rank() == 0:
-        os.makedirs(tmp, exist_ok=True)
-    _barrier()
-    with _quiet_sharded_tensor():
+        records.append(_optim_entries(model, opt, j, sd, offset))
+        offset += len(opt.param_groups)
+    problem = _writable(tmp) if _rank() == 0 else None
+    problem = _broadcast_obj(problem)
+    if problem:
+        raise CheckpointError(problem)
+    try:
         dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
+    except BaseException as e:  # torch's CheckpointException is a BaseException
+        if isinstance(e, KeyboardInterrupt | SystemExit):
+            raise
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"writing checkpoint {path!r} failed: {_describe_failure(e)}") from e
     _barrier()  # every rank's data is on disk
     if _rank() == 0:
         world = dist.get_world_size() if _dist_on() else 1
-        meta = {
-            "version": FORMAT_VERSION,
-            "world_size": world,
-            "model": shapes,
-            "optimizers": schemas,
-            "extra": extra,
-        }
+        meta = {"version": FORMAT_VERSION, "world_size": world, "optimizers": records, "extra": extra}
         torch.save(meta, os.path.join(tmp, META_FILE))
         _write_marker(tmp, f"ragged-optim checkpoint v{FORMAT_VERSION}, world size {world}\n")
         _publish(tmp, path, token)
@@ -387,6 +379,11 @@ def is_complete(path: str | os.PathLike) -> bool:
     return os.path.isfile(os.path.join(os.fspath(path), COMPLETE_MARKER))
 
 
+def _is_torch_dcp(path: str) -> bool:
+    """A folder torch's dcp.save wrote (``.metadata``) that is not one of ours (no ``meta.pt``)."""
+    return os.path.isfile(os.path.join(path, ".metadata")) and not os.path.exists(os.path.join(path, META_FILE))
+
+
 def _require_complete(path: str) -> None:
     if is_complete(path):
         return
@@ -394,8 +391,9 @@ def _require_complete(path: str) -> None:
     base = os.path.basename(os.path.abspath(path))
     partial = sorted(d for d in os.listdir(parent) if d.startswith(base + ".tmp-")) if os.path.isdir(parent) else []
     if os.path.isdir(path):
-        why = f"checkpoint {path!r} has no {COMPLETE_MARKER} marker: its write was interrupted (a rank died or "
-        why += "ran out of disk before every rank finished); load an earlier checkpoint"
+        why = f"checkpoint {path!r} has no {COMPLETE_MARKER} marker and no torch DCP '.metadata' file: its write "
+        why += "was interrupted (a rank died or ran out of disk before every rank finished), or it is not a "
+        why += "checkpoint folder; load an earlier checkpoint"
     elif partial:
         why = f"no checkpoint at {path!r}; an interrupted write left {partial} without a {COMPLETE_MARKER} marker "
         why += "(a rank died while saving); load an earlier checkpoint"
@@ -410,62 +408,167 @@ def _require_complete(path: str) -> None:
 
 
 def _read_meta(path: str) -> dict:
-    meta = torch.load(os.path.join(path, META_FILE), weights_only=False)
-    if meta.get("version") != FORMAT_VERSION:
-        raise CheckpointError(f"checkpoint {path!r} has format version {meta.get('version')}, want {FORMAT_VERSION}")
+    where = os.path.join(path, META_FILE)
+    try:
+        meta = torch.load(where, weights_only=False)
+    except Exception as e:
+        raise CheckpointError(f"file {where!r} could not be read ({type(e).__name__}: {e})") from e
+    version = meta.get("version") if isinstance(meta, dict) else None
+    if not isinstance(version, int):
+        raise CheckpointError(f"file {where!r} is not a ragged-optim checkpoint record (no format version)")
+    if version > FORMAT_VERSION:
+        raise CheckpointError(
+            f"checkpoint {path!r} was written by a newer ragged-optim (format version {version}; this one reads "
+            f"up to {FORMAT_VERSION}): upgrade ragged-optim to load it"
+        )
+    if version < FORMAT_VERSION:
+        raise CheckpointError(
+            f"checkpoint {path!r} has format version {version} (flat 1-D ShardedTensor entries), which this "
+            f"ragged-optim (format {FORMAT_VERSION}: full shapes) no longer reads: load it with the release that "
+            "wrote it, export with get_full_state_dict, and load that with load_full_state_dict"
+        )
     return meta
 
 
-def _check_model(path: str, meta: dict, model: nn.Module) -> None:
-    saved = meta["model"]
-    own = {n: (_full_shape(t), str(t.dtype)) for n, t in model.state_dict(keep_vars=True).items()}
+def _read_dcp_metadata(path: str):
+    where = os.path.join(path, ".metadata")
+    try:
+        return _reader(path).read_metadata().state_dict_metadata
+    except Exception as e:
+        raise CheckpointError(f"file {where!r} could not be read ({type(e).__name__}: {e})") from e
+
+
+def _fresh_like(v: torch.Tensor, dtype=None) -> torch.Tensor:
+    """An empty stand-in for state-dict entry ``v`` to read into (same layout, nothing aliased)."""
+    if isinstance(v, RaggedDTensor):
+        return v._rewrap(torch.empty_like(v.to_local(), dtype=dtype))
+    if _is_dtensor(v):
+        from torch.distributed.tensor import DTensor
+
+        local = torch.empty_like(v.to_local(), dtype=dtype)
+        return DTensor.from_local(local, v.device_mesh, v.placements, shape=v.shape, stride=v.stride(), run_check=False)
+    return torch.empty_like(v.detach(), dtype=dtype)
+
+
+def _model_request(path: str, model: nn.Module, stored: dict, prefix: str) -> dict[str, Any]:
+    """Fresh buffers for every model entry, after checking names, shapes and dtypes against the checkpoint."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    own = model.state_dict()
+    saved = {k[len(prefix) :] for k in stored if k.startswith(prefix) and not k.startswith("optim.")}
     missing = [n for n in own if n not in saved]
-    unexpected = [n for n in saved if n not in own]
+    unexpected = sorted(n for n in saved if n not in own)
     if missing or unexpected:
         raise CheckpointError(
             f"checkpoint {path!r} is from another model: the model has {missing[:4]} which the checkpoint lacks, "
             f"the checkpoint has {unexpected[:4]} which the model lacks. Build the model the checkpoint was saved "
             "from (same module names)"
         )
-    for n, (shape, dtype) in own.items():
-        s_shape, s_dtype = saved[n]
-        if tuple(s_shape) != tuple(shape):
-            raise CheckpointError(
-                f"checkpoint {path!r}: {n!r} has shape {tuple(s_shape)} in the checkpoint but {tuple(shape)} in the "
-                "model; the checkpoint is from a differently shaped model (check the model config)"
-            )
-        if s_dtype != dtype:
-            raise CheckpointError(
-                f"checkpoint {path!r}: {n!r} is {s_dtype} in the checkpoint but {dtype} in the model; cast the model "
-                "to the saved dtype before loading (or load the full state dict and cast)"
-            )
+    request = {}
+    for n, v in own.items():
+        md = stored[prefix + n]
+        if isinstance(v, torch.Tensor):
+            if not isinstance(md, TensorStorageMetadata):
+                raise CheckpointError(f"checkpoint {path!r}: {n!r} is not a tensor in the checkpoint")
+            if tuple(md.size) != tuple(v.shape):
+                raise CheckpointError(
+                    f"checkpoint {path!r}: {n!r} has shape {tuple(md.size)} in the checkpoint but {tuple(v.shape)} "
+                    "in the model; the checkpoint is from a differently shaped model (check the model config)"
+                )
+            if md.properties.dtype != v.dtype:
+                raise CheckpointError(
+                    f"checkpoint {path!r}: {n!r} is {md.properties.dtype} in the checkpoint but {v.dtype} in the "
+                    "model; cast the model to the saved dtype before loading (or load the full state dict and cast)"
+                )
+            request[prefix + n] = _fresh_like(v)
+        else:
+            request[prefix + n] = v
+    return request
 
 
-def _check_optimizer(path: str, meta_opt: dict, model, opt, which: int) -> list[str]:
+def _check_optimizer(path: str, rec: dict, model, opt, which: int) -> list[str]:
     fqns = _opt_fqns(model, opt, which)
-    if meta_opt["class"] != type(opt).__name__:
+    if rec["class"] != type(opt).__name__:
         raise CheckpointError(
-            f"checkpoint {path!r}: optimizer {which} was a {meta_opt['class']} but is a {type(opt).__name__} now; "
-            "pass the optimizers in the order they were saved"
+            f"checkpoint {path!r}: optimizer {which} was a {rec['class']} but is a {type(opt).__name__} now; "
+            "pass the optimizers in the order they were saved, of the classes they were saved with"
         )
     sizes = [len(g["params"]) for g in opt.param_groups]
-    saved_sizes = [len(g["params"]) for g in meta_opt["groups"]]
-    if sizes != saved_sizes or fqns != meta_opt["fqns"]:
-        diff = sorted(set(fqns) ^ set(meta_opt["fqns"]))
+    saved_sizes = [len(g["params"]) for g in rec["groups"]]
+    if sizes != saved_sizes or fqns != rec["fqns"]:
+        diff = sorted(set(fqns) ^ set(rec["fqns"]))
         raise CheckpointError(
             f"checkpoint {path!r}: optimizer {which} ({type(opt).__name__}) holds other params than the saved one "
             f"(group sizes {sizes} vs saved {saved_sizes}; params in only one of them: {diff[:4]}). Build the "
             "optimizer with the same param groups, in the same order, as when it was saved"
         )
+    for gi, (g, sg) in enumerate(zip(opt.param_groups, rec["groups"])):
+        for k in LAYOUT_KEYS:
+            if k in g and k in sg and tuple(_as_tuple(g[k])) != tuple(_as_tuple(sg[k])):
+                raise CheckpointError(
+                    f"checkpoint {path!r}: optimizer {which} ({type(opt).__name__}) param_groups[{gi}] has "
+                    f"{k}={g[k]!r} but the checkpoint was saved with {k}={sg[k]!r}: its state has another shape. "
+                    f"Build the optimizer with {k}={sg[k]!r}"
+                )
     return fqns
 
 
-def _local_template(p, kind: str, dtype, group, ranges, rank, numel):
-    if kind == "block":
-        bs = group["block_size"]
-        ranges, numel = _block_ranges(ranges, bs), -(-numel // bs)
-    lo, hi = ranges[rank]
-    return torch.empty(hi - lo, dtype=dtype, device=p.device), ranges, numel
+def _as_tuple(v):
+    return v if isinstance(v, list | tuple) else (v,)
+
+
+def _optim_request(path, opt, p, fqn: str, group: dict, stored: dict, request: dict, claimed: list) -> dict:
+    """Fresh buffers for the saved state of ``p`` this rank needs; returns ``{key: buffer or ('bands', {...})}``."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    base = f"optim.state.{fqn}."
+    info = shard_info(p)
+    out: dict[str, Any] = {}
+    band_keys: dict[int, list[str]] = {}
+    for key, md in stored.items():
+        if not key.startswith(base):
+            continue
+        rest = key[len(base) :]
+        if rest.startswith("bands."):
+            k = rest.split(".")[1]
+            if k.isdigit():
+                band_keys.setdefault(int(k), []).append(key)
+                continue
+        if not isinstance(md, TensorStorageMetadata):
+            request[key] = None
+            out[rest] = key
+            continue
+        dtype, size = md.properties.dtype, tuple(md.size)
+        bs = group.get("block_size")
+        if info is not None and rest.endswith("_scales") and bs and size == (-(-info.numel // bs),):
+            lo, hi = _block_ranges(_ranges(info), bs)[info.unit.rank]
+            request[key] = sharded_dtensor(torch.empty(hi - lo, dtype=dtype, device=p.device), info, block_size=bs)
+        elif info is not None and size == tuple(info.shape) and len(size) >= 1:
+            request[key] = sharded_dtensor(torch.empty(p.numel(), dtype=dtype, device=p.device), info)
+        else:
+            request[key] = torch.empty(size, dtype=dtype, device=p.device)
+        out[rest] = key
+    if band_keys:
+        mine = _bands_here(opt, p, group) if hasattr(opt, "_local_bands") else set(band_keys)
+        bands = {}
+        for k in sorted(set(band_keys) & mine):
+            entries = {}
+            for key in band_keys[k]:
+                md = stored[key]
+                request[key] = torch.empty(md.size, dtype=md.properties.dtype, device=p.device)
+                entries[key[len(f"{base}bands.{k}.") :]] = key
+            bands[k] = entries
+            claimed.append((fqn, k))
+        out["bands"] = ("bands", bands, sorted(band_keys))
+    return out
+
+
+def _local_value(v, p):
+    if isinstance(v, RaggedDTensor):
+        return v.to_local()
+    if isinstance(v, torch.Tensor) and shard_info(p) is None and v.dim() > 0 and not torch.is_floating_point(v):
+        return v.reshape(-1)  # 8-bit codes of an unsharded param are flat (one per element)
+    return v
 
 
 def load_checkpoint(
@@ -473,106 +576,107 @@ def load_checkpoint(
     model: nn.Module,
     optimizers: Sequence[torch.optim.Optimizer] | torch.optim.Optimizer = (),
 ) -> Any:
-    """Load a checkpoint of :func:`save_checkpoint` into ``model`` and ``optimizers`` at the current world size
-    and layouts (any world size: pieces are resharded); a collective: call it on every rank after building the
-    optimizers. Returns the saved ``extra``. Raises :class:`CheckpointError` for an incomplete checkpoint, another
-    model or other optimizers."""
+    """Load a checkpoint of :func:`save_checkpoint` (or a torch DCP checkpoint of a model: model state only) into
+    ``model`` and ``optimizers`` at the current world size and layouts (any world size: pieces are resharded); a
+    collective: call it on every rank after building the optimizers. Returns the saved ``extra`` (None for a torch
+    checkpoint). All or nothing: every check runs and every tensor is read before anything is written. Raises
+    :class:`CheckpointError` for an incomplete or corrupt checkpoint, another model or other optimizers."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
 
     from ragged_optim.optim.base import lock_layouts
 
     path = os.fspath(path)
     if isinstance(optimizers, torch.optim.Optimizer):
         optimizers = (optimizers,)
-    _require_complete(path)
-    meta = _read_meta(path)
-    _check_model(path, meta, model)
-    if len(optimizers) != len(meta["optimizers"]):
-        raise CheckpointError(
-            f"checkpoint {path!r} holds {len(meta['optimizers'])} optimizers, {len(optimizers)} were given; pass "
-            "the same optimizers, in the same order, as to save_checkpoint"
+    torch_ckpt = os.path.isdir(path) and _is_torch_dcp(path)
+    if not torch_ckpt:
+        _require_complete(path)
+    meta = None if torch_ckpt else _read_meta(path)
+    stored = _read_dcp_metadata(path)
+    if torch_ckpt:
+        prefix = "model." if any(k.startswith("model.") for k in stored) else ""
+        if optimizers:
+            raise CheckpointError(
+                f"checkpoint {path!r} is a plain torch DCP checkpoint: load_checkpoint reads its model state only "
+                "and it lacks ragged-optim's optimizer record (meta.pt). Load it with optimizers=() (the model "
+                "only), or load optimizer state with torch's set_optimizer_state_dict"
+            )
+    else:
+        prefix = "model."
+        if len(optimizers) != len(meta["optimizers"]):
+            raise CheckpointError(
+                f"checkpoint {path!r} holds {len(meta['optimizers'])} optimizers, {len(optimizers)} were given; pass "
+                "the same optimizers, in the same order, as to save_checkpoint"
+            )
+    request = _model_request(path, model, stored, prefix)
+    plans, claimed, problem = [], [], None
+    for j, opt in enumerate(optimizers):
+        rec = meta["optimizers"][j]
+        fqns = _check_optimizer(path, rec, model, opt, j)
+        plans.append(
+            {
+                fqn: _optim_request(path, opt, p, fqn, _group_of(opt, p), stored, request, claimed)
+                for p, fqn in zip(_opt_params(opt), fqns)
+            }
         )
-    reader = dcp.FileSystemReader(path)
-    stored = reader.read_metadata().state_dict_metadata
-    request, _ = _model_entries(model)
-    plans = []
-    for j, (opt, m) in enumerate(zip(optimizers, meta["optimizers"])):
-        fqns = _check_optimizer(path, m, model, opt, j)
-        plan = {}
-        for p, fqn in zip(_opt_params(opt), fqns):
-            entry = m["state"].get(fqn)
-            if not entry:
-                continue
-            group = _group_of(opt, p)
-            pst: dict[str, Any] = {}
-            for key, spec in entry.items():
-                base = f"optim.{j}.state.{fqn}.{key}"
-                kind = spec[0]
-                if kind == "object":
-                    pst[key] = spec[1]
-                elif kind == "replicated":
-                    md = stored[base]
-                    request[base] = torch.empty(md.size, dtype=md.properties.dtype, device=p.device)
-                    pst[key] = request[base]
-                elif kind == "bands":
-                    bands = {}
-                    for k in sorted(_bands_here(opt, p, group)):
-                        prefix = f"{base}.{k}."
-                        names = [s for s in stored if s.startswith(prefix)]
-                        if not names:
-                            continue  # the band was never computed (no grad yet)
-                        entries = {}
-                        for s in names:
-                            md = stored[s]
-                            request[s] = torch.empty(md.size, dtype=md.properties.dtype, device=p.device)
-                            entries[s[len(prefix) :]] = request[s]
-                        bands[k] = entries
-                    pst[key] = ("bands", bands)
-                else:
-                    dtype = getattr(torch, spec[1].removeprefix("torch."))
-                    if shard_info(p) is None:
-                        raise CheckpointError(f"checkpoint {path!r}: {fqn!r} was sharded when saved but is not now")
-                    ranges, rank, pg = _param_ranges(p)
-                    local, ranges, numel = _local_template(p, kind, dtype, group, ranges, rank, shard_info(p).numel)
-                    if numel:
-                        request[base] = _chunked(local, ranges, rank, numel, pg)
-                    pst[key] = local
-            plan[fqn] = pst
-        plans.append(plan)
-    try:
-        with _quiet_sharded_tensor():
-            dcp.load(request, storage_reader=reader)
-    except Exception as e:  # DCP reports a missing key or a size mismatch in its own words; add ours
-        raise CheckpointError(f"checkpoint {path!r}: loading failed: {e}") from e
-    # The model: ShardedTensor entries were filled in place (they wrap the params' storage); plain ones were not.
-    with torch.no_grad():
-        own = model.state_dict(keep_vars=True)
-        for name, t in own.items():
-            v = request.get(f"model.{name}")
-            if isinstance(v, torch.Tensor) and not isinstance(v, ShardedTensor) and v is not t:
-                t.copy_(v)
-    for opt, m, plan in zip(optimizers, meta["optimizers"], plans):
-        params = _opt_params(opt)
-        index = {fqn: i for i, fqn in enumerate(m["fqns"])}
-        state = {}
+    # Every saved Shampoo band must be read by the rank that computes it now: otherwise its state would be lost.
+    all_claimed = set().union(*[set(c) for c in _gather_objects(claimed)])
+    for plan in plans:
         for fqn, pst in plan.items():
-            out = {}
-            for key, v in pst.items():
-                if isinstance(v, tuple) and v and v[0] == "bands":
-                    out[key] = {k: _unflatten_band(entries) for k, entries in v[1].items()}
-                else:
-                    out[key] = v
-            state[index[fqn]] = out
-        groups = []
-        for g in m["groups"]:
-            g = dict(g)
-            g["params"] = [index[f] for f in g["params"]]
-            groups.append(g)
-        opt.load_state_dict({"state": state, "param_groups": groups})
-        lock_layouts(params)
+            spec = pst.get("bands")
+            if spec is not None:
+                lost = [k for k in spec[2] if (fqn, k) not in all_claimed]
+                if lost and problem is None:
+                    problem = (
+                        f"checkpoint {path!r}: bands {lost[:4]} of {fqn!r} would be read by no rank under "
+                        "the current layout (another max_preconditioner_dim?)"
+                    )
+    _agree(problem)
+    try:
+        dcp.load(request, storage_reader=_reader(path))
+    except BaseException as e:  # torch's CheckpointException is a BaseException
+        if isinstance(e, KeyboardInterrupt | SystemExit):
+            raise
+        raise CheckpointError(f"checkpoint {path!r}: reading failed: {_describe_failure(e)}") from e
+    # Everything is read and checked: now write, optimizers first (each restores itself on failure), model last.
+    done = []
+    try:
+        for opt, rec, plan in zip(optimizers, meta["optimizers"] if meta else [], plans):
+            params = _opt_params(opt)
+            index = {fqn: i for i, fqn in enumerate(rec["fqns"])}
+            state = {}
+            for fqn, pst in plan.items():
+                p = params[index[fqn]]
+                st = {}
+                for key, v in pst.items():
+                    if isinstance(v, tuple) and v and v[0] == "bands":
+                        st[key] = {
+                            k: _unflatten_band({n: request[full] for n, full in entries.items()})
+                            for k, entries in v[1].items()
+                        }
+                    else:
+                        st[key] = _local_value(request[v], p)
+                if st:
+                    state[index[fqn]] = st
+            groups = []
+            for g in rec["groups"]:
+                g = dict(g)
+                g["params"] = [index[f] for f in g["params"]]
+                groups.append(g)
+            old = {"state": opt.state, "param_groups": opt.param_groups}
+            opt.load_state_dict({"state": state, "param_groups": groups})
+            done.append((opt, old))
+            lock_layouts(params)
+    except Exception as e:
+        for opt, old in done:
+            opt.__setstate__(old)
+        raise CheckpointError(f"checkpoint {path!r}: the optimizer state does not load: {e}") from e
+    with torch.no_grad():
+        model.load_state_dict(
+            {k[len(prefix) :]: v for k, v in request.items() if k.startswith(prefix) and not k.startswith("optim.")}
+        )
     _barrier()
-    return meta["extra"]
+    return meta["extra"] if meta else None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -601,13 +705,15 @@ def get_full_optimizer_state_dict(model: nn.Module, opt: torch.optim.Optimizer) 
         has = _gather_objects(sorted(state))  # a collective per param keeps every rank in step
         if not any(has):
             continue
-        if any(h != has[0] for h in has):
+        # Shampoo's "bands" exist only on ranks that compute a band; every other key is on every rank
+        keys = sorted(set().union(*has))
+        if any(set(h) - {"bands"} != set(keys) - {"bands"} for h in has):
             raise RuntimeError(f"ranks disagree on the optimizer state keys of {fqn!r}: {has}")
         group = _group_of(opt, p)
         info = shard_info(p)
         out = {}
-        for key in has[0]:
-            v = state[key]
+        for key in keys:
+            v = state.get(key, {})
             kind = state_kind(p, key, v, group)
             if kind in ("object", "replicated"):
                 out[key] = v.detach().clone().cpu() if isinstance(v, torch.Tensor) else v

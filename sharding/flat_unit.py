@@ -9,12 +9,13 @@ buffer that one reduce-scatter sums into the sharded grad buffer. No per-param c
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ragged_optim.comm.collectives import all_gather_flat, reduce_scatter_flat
+from ragged_optim.comm.collectives import all_gather_flat, all_to_all_flat, grad_divide_plan, reduce_scatter_flat
 from ragged_optim.comm.quantized import quantized_all_gather, quantized_reduce_scatter
 from ragged_optim.sharding.comm_policy import CommPolicy
 from ragged_optim.sharding.layout import BlockSpec, Layout
@@ -40,6 +41,7 @@ class FlatUnit:
         mp_policy,
         comm_policy=None,
         replicate_group=None,
+        device: torch.device | None = None,
     ):
         self.module = module
         self.module_name = type(module).__name__  # for messages (fully_shard renames the class afterwards)
@@ -50,7 +52,7 @@ class FlatUnit:
         self.world_size = dist.get_world_size(group)
         self.names = names
         self.refs = refs  # per param: the (module, attribute) pairs that hold it (several when tied)
-        self.device = params[0].device if params else torch.device("cpu")
+        self.device = device or (params[0].device if params else torch.device("cpu"))
         self.dtype = params[0].dtype if params else torch.float32
         self.param_dtype = (mp_policy.param_dtype if mp_policy else None) or self.dtype
         self.reduce_dtype = (mp_policy.reduce_dtype if mp_policy else None) or self.param_dtype
@@ -64,26 +66,27 @@ class FlatUnit:
         self.layout_locked = False  # set once an optimizer keeps state shaped by this layout
         self.layout = self._plan([p.shape for p in params])
         self.local_shard = torch.zeros(self.layout.shard_size, dtype=self.dtype, device=self.device)
-        with torch.no_grad():
-            for i, p in enumerate(params):
-                lo, hi = self.layout.local_range(self.rank, i)
-                self._local_slice(i).copy_(p.detach().reshape(-1)[lo:hi])
+        if self.device.type != "meta":  # meta params: only shapes now; to_empty + ro.init_weights fill the shards
+            with torch.no_grad():
+                for i, p in enumerate(params):
+                    lo, hi = self.layout.local_range(self.rank, i)
+                    self._local_slice(i).copy_(p.detach().reshape(-1)[lo:hi])
         self.sharded_params = []
         for i, p in enumerate(params):
             sp = nn.Parameter(self._local_slice(i), requires_grad=p.requires_grad)
             setattr(sp, _INFO_ATTR, ShardInfo(self, i, names[i]))
             self.sharded_params.append(sp)
-        self.sharded_grad = None  # [S] master dtype, allocated at the first reduce-scatter
+        self._sharded_grad = None  # weakref to the [S] master-dtype buffer of the sharded grads
         self.unsharded = torch.empty(0, dtype=self.param_dtype, device=self.device)
         self.unsharded_params: list[nn.Parameter] = []
         self.grad_buf = None  # [W*S] param dtype, alive from pre-backward to the reduce-scatter
         self.is_unsharded = False
         self.stale = True
         self.pending_gather = None  # (work, staging tensor) of an async all-gather
-        self.pending_reduce = None  # (work, staging tensor) of an async reduce-scatter
+        self.pending_reduce = None  # (work, output, op, post-divisor) of an async reduce-scatter
+        self.reduce_input = None  # the flat grads a reduce-scatter in flight reads
+        self.unsynced_grad = None  # [W*S] reduce dtype: grads of no-sync backwards when it differs from the param's
         self.requires_grad_sync = True
-        self.on_all_grads_ready = None  # set by fully_shard: called once every trainable param has its grad
-        self.grads_ready = 0
         self._build_unsharded_params()
         self.set_sharded_attrs()
 
@@ -125,16 +128,22 @@ class FlatUnit:
         return buf[off : off + math.prod(self.layout.shapes[i])].view(self.layout.shapes[i])
 
     def _build_unsharded_params(self):
-        self.unsharded = torch.empty(self.layout.total_size, dtype=self.param_dtype, device=self.device)
+        """The unsharded buffer and params are made at the first unshard, not here: allocating the buffer only to
+        free it again would count a whole unit against every rank while a model is built and initialised."""
+        self.unsharded = torch.empty(0, dtype=self.param_dtype, device=self.device)
         self.unsharded_params = []
-        for i, rg in enumerate(self.requires_grad):
-            # A hook on every param (torch only takes one on a trainable tensor; it survives requires_grad_), so a
-            # param unfrozen after fully_shard is counted too.
-            up = nn.Parameter(self._full_slice(self.unsharded, i), requires_grad=True)
-            up.register_post_accumulate_grad_hook(self._grad_landed)
-            self.unsharded_params.append(up.requires_grad_(rg))
-        self._storage_nbytes = self.unsharded.untyped_storage().nbytes()  # freed until the first unshard
-        self.unsharded.untyped_storage().resize_(0)
+
+    def _alloc_unsharded(self):
+        """Storage for the unsharded buffer (re-allocated in place after a reshard, so the params stay views)."""
+        if not self.unsharded_params:
+            self.unsharded = torch.empty(self.layout.total_size, dtype=self.param_dtype, device=self.device)
+            self._storage_nbytes = self.unsharded.untyped_storage().nbytes()
+            self.unsharded_params = [
+                nn.Parameter(self._full_slice(self.unsharded, i), requires_grad=rg)
+                for i, rg in enumerate(self.requires_grad)
+            ]
+        elif self.unsharded.untyped_storage().size() == 0:
+            self.unsharded.untyped_storage().resize_(self._storage_nbytes)
 
     def relayout(self, specs: dict[int, BlockSpec], *, allow_split: bool | None = None, compute_load=None) -> bool:
         """Re-plan with new block specs for some params and move the data to match; param objects are kept.
@@ -152,23 +161,57 @@ class FlatUnit:
                 f"the layout of params {names[:3]} is already in use by an optimizer's state; construct every "
                 "optimizer before the first step (or pass block_policy= to fully_shard)"
             )
-        full = self._gather_master()
-        shapes = self.layout.shapes
+        old_layout, old_shard = self.layout, self.local_shard
         self.specs, self.allow_split = new_specs, split
-        self.layout = self._plan(shapes, compute_load)
-        self.local_shard = torch.zeros(self.layout.shard_size, dtype=self.dtype, device=self.device)
-        with torch.no_grad():
-            for i, sp in enumerate(self.sharded_params):
-                lo, hi = self.layout.local_range(self.rank, i)
-                src = full[i].reshape(-1)[lo:hi]
-                dst = self._local_slice(i)
-                dst.copy_(src)
-                sp.data = dst
-                sp.grad = None
-        self.sharded_grad = None
+        self.layout = self._plan(old_layout.shapes, compute_load)
+        self.local_shard = self._redistribute(old_layout, old_shard, self.layout)
+        for i, sp in enumerate(self.sharded_params):
+            sp.data = self._local_slice(i)
+            sp.grad = None
+        self._sharded_grad = None
         self.is_unsharded, self.stale = False, True
         self._build_unsharded_params()
         return True
+
+    def _pieces(self, src_layout: Layout, src_rank: int, dst_layout: Layout, dst_rank: int):
+        """``(param, lo, hi)``: the runs of elements that ``src_rank`` holds under ``src_layout`` and ``dst_rank``
+        holds under ``dst_layout``, in param order."""
+        for i in range(len(self.sharded_params)):
+            a_lo, a_hi = src_layout.local_range(src_rank, i)
+            b_lo, b_hi = dst_layout.local_range(dst_rank, i)
+            lo, hi = max(a_lo, b_lo), min(a_hi, b_hi)
+            if hi > lo:
+                yield i, lo, hi
+
+    @torch.no_grad()
+    def _redistribute(self, old: Layout, old_shard: torch.Tensor, new: Layout) -> torch.Tensor:
+        """This rank's shard under ``new`` from every rank's shard under ``old``: one all-to-all moving each element
+        straight to its new owner, so a re-plan holds O(S) extra bytes, never the unit whole."""
+
+        def at(layout, rank, i, lo):  # position of element lo of param i in ``rank``'s shard under ``layout``
+            return layout.offsets[i] + lo - rank * layout.shard_size
+
+        send, in_splits, out_splits = [], [], []
+        for dst in range(self.world_size):
+            pieces = list(self._pieces(old, self.rank, new, dst))
+            send += [old_shard[at(old, self.rank, i, lo) : at(old, self.rank, i, lo) + hi - lo] for i, lo, hi in pieces]
+            in_splits.append(sum(hi - lo for _, lo, hi in pieces))
+        recv_pieces = [list(self._pieces(old, src, new, self.rank)) for src in range(self.world_size)]
+        out_splits = [sum(hi - lo for _, lo, hi in pieces) for pieces in recv_pieces]
+        inp = torch.cat(send) if send else old_shard[:0]
+        out = torch.empty(sum(out_splits), dtype=self.dtype, device=self.device)
+        if self.world_size > 1:
+            all_to_all_flat(out, inp, out_splits, in_splits, group=self.group)
+        else:
+            out.copy_(inp)
+        shard = torch.zeros(new.shard_size, dtype=self.dtype, device=self.device)
+        pos = 0
+        for pieces in recv_pieces:
+            for i, lo, hi in pieces:
+                start = at(new, self.rank, i, lo)
+                shard[start : start + hi - lo].copy_(out[pos : pos + hi - lo])
+                pos += hi - lo
+        return shard
 
     def _gather_master(self) -> list[torch.Tensor]:
         """Every param's full master value, by one all-gather of the local shard (used by relayout)."""
@@ -192,6 +235,12 @@ class FlatUnit:
         """Before a forward: follow requires_grad_ set on the sharded params since fully_shard (a frozen param gets
         no grad: .grad stays None), and refuse params that were cast, moved, given new .data or replaced by a new
         Parameter (they no longer live in the local shard, so training would ignore them or fail in backward)."""
+        if self.device.type == "meta" and self.sharded_params:
+            raise RuntimeError(
+                f"param {self._label(0)} is still on the meta device: materialize the sharded model before its first "
+                "forward, with model.to_empty(device=...) and then ro.init_weights(model) (or your own init on "
+                "ro.full_tensor views); see docs/runtime.md, 'Big models: meta-device init'"
+            )
         shard_ptr = self.local_shard.untyped_storage().data_ptr()
         for i, sp in enumerate(self.sharded_params):
             if sp.dtype != self.dtype or sp.device != self.device:
@@ -217,7 +266,56 @@ class FlatUnit:
                     )
             if sp.requires_grad != self.requires_grad[i]:
                 self.requires_grad[i] = sp.requires_grad
-                self.unsharded_params[i].requires_grad_(sp.requires_grad)
+                if self.unsharded_params:
+                    self.unsharded_params[i].requires_grad_(sp.requires_grad)
+
+    def check_apply_keeps_dtype(self, fn) -> None:
+        """Before ``module._apply(fn)`` changes anything: a cast would break the layout (its alignment and the
+        buffers' dtypes are planned for this dtype), so refuse it while nothing is changed yet."""
+        if not self.sharded_params:
+            return
+        probe = fn(torch.empty(0, dtype=self.dtype, device="meta"))
+        if isinstance(probe, torch.Tensor) and probe.dtype != self.dtype:
+            raise RuntimeError(
+                f"the module of param {self._label(0)} is being cast to {probe.dtype} after fully_shard, which laid "
+                f"it out as {self.dtype}: nothing was changed. Cast before fully_shard; for low-precision compute "
+                "keep the params in fp32 and pass mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)"
+            )
+
+    def unset_attrs(self) -> None:
+        """Take the params off their modules while ``module._apply`` runs, so it does not touch them one by one."""
+        for refs in self.refs:
+            for mod, attr in refs:
+                mod._parameters[attr] = None
+
+    @torch.no_grad()
+    def apply_to_shard(self, fn) -> None:
+        """``module._apply(fn)`` for this unit (``to_empty``, ``.to(device)``): ``fn`` runs once on the flat local
+        shard (and the sharded grads), and the sharded params become views of the result. One allocation per
+        unit, so materialising a meta-device model holds nothing but this rank's shards."""
+        new = fn(self.local_shard)
+        if new is not self.local_shard:
+            self.local_shard = new
+            self.device = new.device
+            for i, sp in enumerate(self.sharded_params):
+                view = self._local_slice(i)
+                if torch._has_compatible_shallow_copy_type(sp, view):
+                    sp.data = view
+                else:  # meta -> a real device: a new Parameter object, as module._apply makes
+                    new_sp = nn.Parameter(view, requires_grad=sp.requires_grad)
+                    setattr(new_sp, _INFO_ATTR, getattr(sp, _INFO_ATTR))
+                    self.sharded_params[i] = new_sp
+            if self.sharded_grad is not None:
+                grads = fn(self.sharded_grad)
+                self._sharded_grad = weakref.ref(grads)
+                for i, sp in enumerate(self.sharded_params):
+                    if sp.grad is not None:
+                        sp.grad = self._shard_view(grads, i)
+            self.pending_gather = self.pending_reduce = None
+            self.is_unsharded, self.stale = False, True
+            self.drop_grad_buffers()
+            self._build_unsharded_params()
+        self.set_sharded_attrs()
 
     def _label(self, i: int) -> str:
         return f"{self.names[i]!r} (in {self.module_name})"
@@ -227,8 +325,7 @@ class FlatUnit:
         """Issue the all-gather (async) unless the unsharded buffer is current or a gather is in flight."""
         if (self.is_unsharded and not self.stale) or self.pending_gather is not None or not self.sharded_params:
             return
-        if self.unsharded.untyped_storage().size() == 0:
-            self.unsharded.untyped_storage().resize_(self._storage_nbytes)
+        self._alloc_unsharded()
         version = self.unsharded._version
         fmt = self.comm_policy.param_all_gather
         if fmt != "full":  # quantize the fp32 master shard; the receiver dequantizes into the param dtype
@@ -261,20 +358,41 @@ class FlatUnit:
             self.is_unsharded = False
         self.set_sharded_attrs()
 
-    def _grad_landed(self, _param):
-        self.grads_ready += 1
-        if self.grads_ready == sum(self.requires_grad) and self.on_all_grads_ready is not None:
-            self.on_all_grads_ready(self)
+    def reset_iteration(self):
+        """Drop what a failed forward or backward left behind: wait for collectives in flight (every rank issued
+        them, so they complete) and discard their results, free the unsharded and gradient buffers. The sharded
+        params and the sharded grads of earlier, finished iterations are kept."""
+        if self.pending_gather is not None:
+            self.pending_gather[0].wait()
+            self.pending_gather = None
+            self.is_unsharded, self.stale = True, True
+        if self.pending_reduce is not None:
+            work = self.pending_reduce[0]
+            if work is not None:
+                work.wait()
+            self.pending_reduce = None
+        self.drop_grad_buffers()
+        self.reshard()
 
     # ----- gradients ----------------------------------------------------------------------------------------
+    @property
+    def trainable(self) -> bool:
+        return any(self.requires_grad)
+
     def prepare_grads(self):
-        """Before the unit's backward: point each unsharded param's .grad at the flat grad buffer, so autograd
-        accumulates there in place."""
-        if self.grad_buf is None:
+        """Before the unit's backward: point each trainable unsharded param's .grad at the flat grad buffer, so
+        autograd accumulates there in place. A unit with no trainable param gets no buffer."""
+        if self.grad_buf is None and self.trainable:
             self.grad_buf = torch.zeros(self.layout.total_size, dtype=self.param_dtype, device=self.device)
             for i, up in enumerate(self.unsharded_params):
                 if up.requires_grad:
                     up.grad = self._full_slice(self.grad_buf, i)
+
+    def drop_grad_buffers(self):
+        for up in self.unsharded_params:
+            up.grad = None
+        self.grad_buf = None
+        self.unsynced_grad = None
 
     def collect_stray_grads(self):
         """Autograd replaces a preset .grad in rare cases (e.g. a grad of another layout); fold those back."""
@@ -289,51 +407,101 @@ class FlatUnit:
                 view.add_(g)
                 up.grad = view
 
-    def start_reduce_grads(self):
-        """One reduce-scatter of the flat grad buffer into the sharded grad buffer (async)."""
-        if self.grad_buf is None or not self.requires_grad_sync:
-            return
+    def post_backward_grads(self):
+        """After the unit's backward: without gradient sync, keep the grads for the next backward (in the reduce
+        dtype, as FSDP2 does, so bf16 grads do not accumulate in bf16); with it, start the reduce-scatter (async)
+        of everything accumulated. Returns True when a reduce-scatter was started."""
+        if self.grad_buf is None and self.unsynced_grad is None:
+            return False
         self.collect_stray_grads()
+        if not self.requires_grad_sync:
+            if self.grad_buf is not None and self.reduce_dtype != self.param_dtype:
+                self._fold_into_unsynced()
+            return False
+        full = self._grads_to_reduce()
         mode = self.comm_policy.grad_reduce
         if mode == "int8":
-            full = self.grad_buf
             out = torch.empty(self.layout.shard_size, dtype=torch.float32, device=self.device)
             quantized_reduce_scatter(out, full, "int8", self.comm_policy.block_size, group=self.group)
-            work = None
+            self.pending_reduce = (None, out, dist.ReduceOp.SUM, float(self._grad_divisor()))
         else:
-            dtype = torch.bfloat16 if mode == "bf16" else self.reduce_dtype
-            full = self.grad_buf if dtype == self.param_dtype else self.grad_buf.to(dtype)
-            out = torch.empty(self.layout.shard_size, dtype=dtype, device=self.device)
-            work = reduce_scatter_flat(out, full, group=self.group, async_op=True)
-        self.pending_reduce = (work, out, full)
+            pre, post, op = grad_divide_plan(self.group, full.dtype, self._grad_divisor())
+            if pre != 1.0:
+                full.div_(pre)
+            out = torch.empty(self.layout.shard_size, dtype=full.dtype, device=self.device)
+            work = reduce_scatter_flat(out, full, group=self.group, async_op=True, op=op)
+            self.pending_reduce = (work, out, op, post)
+        self.reduce_input = full  # alive until the reduce-scatter is done
+        return True
+
+    def _fold_into_unsynced(self):
+        """Add this backward's grads (param dtype) into the reduce-dtype accumulator and free the grad buffer."""
+        if self.unsynced_grad is None:
+            self.unsynced_grad = self.grad_buf.to(self.reduce_dtype)
+        else:
+            self.unsynced_grad.add_(self.grad_buf)
         for up in self.unsharded_params:
             up.grad = None
         self.grad_buf = None
 
+    def _grads_to_reduce(self) -> torch.Tensor:
+        """The flat W*S grads to reduce, in the wire dtype, owned by the reduction (the grad buffer is released)."""
+        wire = torch.bfloat16 if self.comm_policy.grad_reduce == "bf16" else self.reduce_dtype
+        if self.comm_policy.grad_reduce == "int8":
+            wire = torch.float32 if self.unsynced_grad is not None else self.param_dtype
+        if self.unsynced_grad is not None:
+            full = self.unsynced_grad
+            if self.grad_buf is not None:
+                full.add_(self.grad_buf)
+            full = full if full.dtype == wire else full.to(wire)
+        else:
+            full = self.grad_buf if self.grad_buf.dtype == wire else self.grad_buf.to(wire)
+        for up in self.unsharded_params:
+            up.grad = None
+        self.grad_buf = None
+        self.unsynced_grad = None
+        return full
+
+    def _grad_divisor(self) -> int:
+        rep = dist.get_world_size(self.replicate_group) if self.replicate_group is not None else 1
+        return self.world_size * rep
+
     def finish_reduce_grads(self):
+        """Wait for the reduce-scatter, average, and land the result in the sharded params' .grad."""
         if self.pending_reduce is None:
             return
-        work, out, _ = self.pending_reduce
+        work, out, op, post = self.pending_reduce
         if work is not None:
             work.wait()
         self.pending_reduce = None
+        self.reduce_input = None
+        if self.replicate_group is not None:  # HSDP: reduce the shard across replicas too, in the reduce dtype
+            dist.all_reduce(out, op=op, group=self.replicate_group)
         out = out.to(self.dtype)
-        divisor = self.world_size
-        if self.replicate_group is not None:  # HSDP: sum the reduced shard across replicas too
-            dist.all_reduce(out, group=self.replicate_group)
-            divisor *= dist.get_world_size(self.replicate_group)
-        out.div_(divisor)
-        fresh = all(sp.grad is None for sp, rg in zip(self.sharded_params, self.requires_grad) if rg)
-        if self.sharded_grad is None or fresh:
-            self.sharded_grad = out
-        else:  # accumulate into grads the user kept from an earlier step
-            for i, sp in enumerate(self.sharded_params):
-                if self.requires_grad[i] and sp.grad is None:
-                    self._shard_view(self.sharded_grad, i).zero_()
-            self.sharded_grad.add_(out)
-        for i, sp in enumerate(self.sharded_params):
-            if self.requires_grad[i]:
-                sp.grad = self._shard_view(self.sharded_grad, i)
+        if post != 1.0:
+            out.div_(post)
+        trainable = [i for i, rg in enumerate(self.requires_grad) if rg]
+        kept = [self.sharded_params[i].grad for i in trainable if self.sharded_params[i].grad is not None]
+        buf = self.sharded_grad
+        if kept and buf is not None and all(_same_storage(g, buf) for g in kept):
+            for i in trainable:  # accumulate into the grads kept from an earlier backward, in place
+                if self.sharded_params[i].grad is None:
+                    self._shard_view(buf, i).zero_()
+            out = buf.add_(out)
+        for i in trainable:
+            sp = self.sharded_params[i]
+            if sp.grad is None or _same_storage(sp.grad, out):
+                sp.grad = self._shard_view(out, i)
+            else:  # a grad the user replaced by a tensor of their own: add to it
+                sp.grad.add_(self._shard_view(out, i))
+        # Only a weak reference: once zero_grad() drops the grads the buffer is freed, as FSDP2 holds nothing either.
+        self._sharded_grad = weakref.ref(out)
+
+    @property
+    def sharded_grad(self) -> torch.Tensor | None:
+        """The [S] buffer the sharded params' grads are views of, while any of them is alive."""
+        ref = getattr(self, "_sharded_grad", None)
+        return ref() if ref is not None else None
 
     # ----- gathers for users --------------------------------------------------------------------------------
     def gather_full(self, i: int, local: torch.Tensor) -> torch.Tensor:
@@ -343,3 +511,7 @@ class FlatUnit:
         out = torch.empty(self.layout.total_size, dtype=local.dtype, device=self.device)
         all_gather_flat(out, buf, group=self.group)
         return self._full_slice(out, i).clone()
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()

@@ -1,51 +1,28 @@
 """`fully_shard`: the call shape of torch.distributed.fsdp.fully_shard, on RaggedShard flat buffers.
 
-Each call makes one unit of the params under ``module`` that no inner call owns. Hooks unshard a unit before its
-forward (prefetching the next unit), reshard after it, unshard again before its backward, and reduce-scatter its
-flat grad buffer once all of its grads have landed. One root callback at the end of backward finishes what is
-left (params that got no grad, async reduce-scatters).
+Each call makes one unit of the params under ``module`` that no inner call owns (two when some are frozen: the
+frozen ones get no gradient buffer and no reduce-scatter). The hooks and the iteration state they drive live in
+``runtime.py``: one state per call, one context per root module.
 """
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.autograd import Variable
 from torch.distributed.device_mesh import DeviceMesh
-from torch.utils._pytree import tree_map_only
 
 from ragged_optim.sharding.comm_policy import CommPolicy
 from ragged_optim.sharding.flat_unit import FlatUnit
+from ragged_optim.sharding.runtime import ModuleState, cast_floating
 from ragged_optim.sharding.sharded_param import shard_info
+from ragged_optim.sharding.state_dict import register_state_dict_hooks
 
-_UNIT_ATTR = "_ragged_unit"
-
-
-class _Tracker:
-    """Per-process state of one forward/backward iteration, shared by all units."""
-
-    def __init__(self):
-        self.units: weakref.WeakSet[FlatUnit] = weakref.WeakSet()
-        self.depth = 0
-        self.pre_forward_order: list[FlatUnit] = []
-        self.post_forward_order: list[FlatUnit] = []
-        self.recording = True
-        self.touched: list[FlatUnit] = []
-        self.callback_queued = False
-        self.synced: set[int] = set()  # ids of the units checked against their sharded params this forward
+_STATE_ATTR = "_ragged_state"
 
 
-_TRACKER = _Tracker()
-
-
-def _next_in(order: list, unit):
-    for i, u in enumerate(order):
-        if u is unit:
-            return order[i + 1] if i + 1 < len(order) else None
-    return None
+def state_of(module: nn.Module) -> ModuleState | None:
+    return getattr(module, _STATE_ATTR, None)
 
 
 class RaggedFSDPModule:
@@ -53,29 +30,49 @@ class RaggedFSDPModule:
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """False: backward accumulates grads locally (no reduce-scatter) until it is set back to True."""
-        mods = self.modules() if recurse else [self]
-        for m in mods:
-            unit = getattr(m, _UNIT_ATTR, None)
-            if unit is not None:
-                unit.requires_grad_sync = requires_gradient_sync
+        for unit in units_of(self) if recurse else state_of(self).units:
+            unit.requires_grad_sync = requires_gradient_sync
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
         if not isinstance(reshard_after_forward, bool):
             raise ValueError(
                 f"set_reshard_after_forward(reshard_after_forward={reshard_after_forward!r}): takes True or False"
             )
-        mods = self.modules() if recurse else [self]
-        for m in mods:
-            unit = getattr(m, _UNIT_ATTR, None)
-            if unit is not None:
-                unit.reshard_after_forward = reshard_after_forward
+        for m in self.modules() if recurse else [self]:
+            if (state := state_of(m)) is not None:
+                state.reshard_after_forward = reshard_after_forward
 
     def unshard(self) -> None:
-        getattr(self, _UNIT_ATTR).wait_unshard()
-        getattr(self, _UNIT_ATTR).set_unsharded_attrs()
+        for unit in state_of(self).units:
+            unit.wait_unshard()
+            unit.set_unsharded_attrs()
 
     def reshard(self) -> None:
-        getattr(self, _UNIT_ATTR).reshard()
+        for unit in state_of(self).units:
+            unit.reshard()
+
+    def reset_iter_state(self) -> None:
+        """Forget an iteration whose forward or backward raised. The next forward does this by itself; call it
+        to free the gathered and gradient buffers sooner. Sharded grads of finished iterations are kept."""
+        state = state_of(self)
+        if state.ctx is not None:
+            state.ctx.reset()
+
+    def _apply(self, fn, recurse=True):
+        """``to_empty``/``to(device)`` after sharding move each unit's flat shard as one tensor and re-point the
+        sharded params into it; casts are refused before anything changes (the layout depends on the dtype)."""
+        if recurse:
+            for unit in units_of(self):
+                unit.check_apply_keeps_dtype(fn)
+        own = state_of(self).units
+        for unit in own:
+            unit.unset_attrs()
+        try:
+            out = super()._apply(fn, recurse)
+        finally:
+            for unit in own:
+                unit.apply_to_shard(fn)
+        return out
 
 
 _CLASS_CACHE: dict[type, type] = {}
@@ -210,8 +207,6 @@ def _check_params(module: nn.Module, params, names):
     for p, n in zip(params, names):
         if not p.is_floating_point():
             raise TypeError(f"fully_shard: param {n!r} has dtype {p.dtype}; only floating-point params can be sharded")
-        if p.is_meta:
-            raise ValueError(f"fully_shard: param {n!r} is on the meta device; materialize it first (to_empty + init)")
     if params:
         d0, t0 = params[0].device, params[0].dtype
         for p, n in zip(params, names):
@@ -256,7 +251,7 @@ def fully_shard(
     module with no params of its own makes an empty unit that communicates nothing.
     """
     _check_args(module, reshard_after_forward, mp_policy, block_policy, comm_policy)
-    if getattr(module, _UNIT_ATTR, None) is not None:
+    if state_of(module) is not None:
         raise ValueError(f"fully_shard was already called on this {type(module).__name__}; call it once per module")
     params, names, refs = _collect_params(module)
     # Hooks run around forward: a ModuleList or ModuleDict has none, so its submodules' own forward would see the
@@ -270,140 +265,75 @@ def fully_shard(
         )
     _check_params(module, params, names)  # before the mesh: param errors need no process group
     group, replicate_group = _resolve_groups(mesh)
-    unit = FlatUnit(module, params, names, refs, group, mp_policy, comm_policy, replicate_group)
+    device = _target_device(mesh, params)
+    # Frozen params go in a unit of their own: no gradient buffer, no reduce-scatter bytes for them.
+    trainable = [p.requires_grad for p in params]
+    split = [[i for i, t in enumerate(trainable) if t], [i for i, t in enumerate(trainable) if not t]]
+    split = [idx for idx in split if idx] or [[]]  # a module with no params of its own: one empty unit
+    units = [
+        FlatUnit(
+            module,
+            [params[i] for i in idx],
+            [names[i] for i in idx],
+            [refs[i] for i in idx],
+            group,
+            mp_policy,
+            comm_policy,
+            replicate_group,
+            device=device,
+        )
+        for idx in split
+    ]
     for p, n in zip(params, names):  # an optimizer built on these old params can then say what happened
         p._ragged_replaced_by = n
     if block_policy is not None:
-        specs = {i: s for i, (n, p) in enumerate(zip(names, params)) if (s := block_policy(n, p)) is not None}
-        unit.relayout(specs)
-    unit.reshard_after_forward = reshard_after_forward is not False  # None: see the docstring
-    _reset_iteration_flags(unit)
-    unit.on_all_grads_ready = _post_backward
-    setattr(module, _UNIT_ATTR, unit)
-    _TRACKER.units.add(unit)
-    module.register_forward_pre_hook(_pre_forward, with_kwargs=True)
-    module.register_forward_hook(_post_forward)
+        for unit, idx in zip(units, split):
+            specs = {k: spec for k, i in enumerate(idx) if (spec := block_policy(names[i], params[i])) is not None}
+            unit.relayout(specs)
+    # None: see the docstring
+    state = ModuleState(module, units, reshard_after_forward=reshard_after_forward is not False)
+    setattr(module, _STATE_ATTR, state)
+    module.register_forward_pre_hook(_pre_forward_hook, prepend=True, with_kwargs=True)
+    module.register_forward_hook(_post_forward_hook, always_call=True)
     _mix_in(module)
+    register_state_dict_hooks(module)  # state_dict()/load_state_dict() speak DCP (sharding/state_dict.py)
     return module
 
 
 def units_of(module: nn.Module) -> list[FlatUnit]:
     """The units under ``module``, outermost last (the order of ``fully_shard`` calls in the usual nesting)."""
-    return [u for m in module.modules() if (u := getattr(m, _UNIT_ATTR, None)) is not None][::-1]
+    return [u for s in _states_under(module)[::-1] for u in s.units]
 
 
-def _reset_iteration_flags(unit: FlatUnit):
-    unit.backward_started = False
-    unit.post_backward_done = False
-    unit.grads_ready = 0
+def _states_under(module: nn.Module) -> list[ModuleState]:
+    return [s for m in module.modules() if (s := state_of(m)) is not None]
 
 
-def _pre_forward(module, args, kwargs):
-    unit: FlatUnit = getattr(module, _UNIT_ATTR)
-    tr = _TRACKER
-    # The outermost unit checks every unit under it before any state changes, so a bad param leaves no half-done
-    # iteration behind; an inner unit checks itself only when it lives outside the root's module tree.
-    if tr.depth == 0:
-        under = units_of(module)
-        for u in under:
-            u.sync_with_sharded_params()
-        tr.synced = {id(u) for u in under}
-    elif id(unit) not in tr.synced:
-        unit.sync_with_sharded_params()
-        tr.synced.add(id(unit))
-    unit.is_root = tr.depth == 0
-    if unit.is_root:  # the outermost unit of this forward: a new iteration starts
-        for u in tr.units:
-            u.stale = True
-        tr.recording = not tr.pre_forward_order
-        tr.touched = []
-    tr.depth += 1
-    if tr.recording and torch.is_grad_enabled():
-        tr.pre_forward_order.append(unit)
-    if unit not in tr.touched:
-        tr.touched.append(unit)
-    _reset_iteration_flags(unit)
-    unit.wait_unshard()
-    unit.set_unsharded_attrs()
-    nxt = _next_in(tr.pre_forward_order, unit)
-    if nxt is not None:
-        nxt.start_unshard()
-    if unit.cast_inputs_to is not None:
-        return _cast_floating((args, kwargs), unit.cast_inputs_to)
-    return None
+def _target_device(mesh, params) -> torch.device:
+    """The params' device, or the mesh's device type when a DeviceMesh names another one (as FSDP2 moves them)."""
+    device = params[0].device if params else torch.device("cpu")
+    if isinstance(mesh, DeviceMesh) and device.type not in (mesh.device_type, "meta"):
+        if mesh.device_type == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device(mesh.device_type)
+    return device
 
 
-def _post_forward(module, args, output):
-    unit: FlatUnit = getattr(module, _UNIT_ATTR)
-    tr = _TRACKER
-    tr.depth -= 1
-    if tr.recording and torch.is_grad_enabled():
-        tr.post_forward_order.append(unit)
-    unit.set_sharded_attrs()
-    if unit.output_dtype is not None:
-        output = _cast_floating(output, unit.output_dtype)
-    grad_outputs = [t for t in _tensors(output) if t.requires_grad]
-    if torch.is_grad_enabled() and grad_outputs:
-        torch.autograd.graph.register_multi_grad_hook(grad_outputs, lambda _g, u=unit: _pre_backward(u), mode="any")
-    keep = unit.is_root and torch.is_grad_enabled()  # the root's backward starts right away
-    if not keep and (unit.reshard_after_forward or not torch.is_grad_enabled()):
-        unit.reshard()
-    if tr.depth == 0:
-        tr.recording = False
-    return output
+@torch._disable_dynamo
+def _pre_forward_hook(module, args, kwargs):
+    state = state_of(module)
+    state.lazy_init(_states_under(module))
+    args, kwargs = state.pre_forward(args, kwargs)
+    cast_to = state.units[0].cast_inputs_to
+    if cast_to is not None:
+        args, kwargs = cast_floating((args, kwargs), cast_to)
+    return args, kwargs
 
 
-def _cast_floating(obj, dtype: torch.dtype):
-    """``obj`` (a pytree) with its floating-point tensors cast to ``dtype``, as MixedPrecisionPolicy does."""
-    return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, obj)
-
-
-def _tensors(obj):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, list | tuple):
-        for o in obj:
-            yield from _tensors(o)
-    elif isinstance(obj, dict):
-        for o in obj.values():
-            yield from _tensors(o)
-    elif hasattr(obj, "__dataclass_fields__"):
-        for name in obj.__dataclass_fields__:
-            yield from _tensors(getattr(obj, name))
-
-
-def _pre_backward(unit: FlatUnit):
-    if unit.backward_started:
-        return
-    unit.backward_started = True
-    tr = _TRACKER
-    if not tr.callback_queued:
-        tr.callback_queued = True
-        Variable._execution_engine.queue_callback(_final_callback)
-    unit.wait_unshard()
-    unit.set_sharded_attrs()
-    unit.prepare_grads()
-    nxt = _next_in(tr.post_forward_order[::-1], unit)
-    if nxt is not None and not nxt.backward_started:
-        nxt.start_unshard()
-
-
-def _post_backward(unit: FlatUnit):
-    if unit.post_backward_done:
-        return
-    unit.post_backward_done = True
-    unit.start_reduce_grads()
-    unit.reshard()
-
-
-def _final_callback():
-    tr = _TRACKER
-    tr.callback_queued = False
-    for unit in tr.touched:
-        if unit.backward_started and not unit.post_backward_done:
-            _post_backward(unit)  # some params got no grad this time
-        else:
-            unit.reshard()
-    for unit in tr.touched:
-        unit.finish_reduce_grads()
-        _reset_iteration_flags(unit)
+@torch._disable_dynamo
+def _post_forward_hook(module, args, output):
+    state = state_of(module)
+    out_dtype = state.units[0].output_dtype
+    if out_dtype is not None and output is not None:
+        output = cast_floating(output, out_dtype)
+    return state.post_forward(output)

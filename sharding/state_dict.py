@@ -1,36 +1,318 @@
-"""Full (consolidated) model state dicts for sharded modules: export to, and load from, plain torch."""
+"""State dicts of ragged-sharded modules and their optimizers, in the form torch's distributed checkpoint speaks.
+
+``model.state_dict()`` of a ``fully_shard`` model holds, under each param's original name, a
+:class:`~ragged_optim.sharding.ragged_dtensor.RaggedDTensor`: the full shape, this rank's piece as rectangular
+chunks, data aliasing the flat shard. ``model.load_state_dict`` takes those, full tensors (a plain model's state
+dict, ``full_state_dict=True``) or any torch DTensor (FSDP2's), checks every key and shape of the whole module tree
+before it writes anything, and copies each rank's range into the flat shard. Optimizers get the same treatment
+(hooks installed on any ``torch.optim.Optimizer`` that holds ragged-sharded params, at its first ``step``): state
+shaped like the param's local piece (``exp_avg``, ``momentum_buffer``, 8-bit codes) becomes a full-shape
+RaggedDTensor, 8-bit ``*_scales`` one over the param's blocks. See docs/checkpoint.md.
+"""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
 
-from ragged_optim.sharding.sharded_param import shard_info
+from ragged_optim.sharding.ragged_dtensor import RaggedDTensor, ragged_dtensor
+from ragged_optim.sharding.sharded_param import ShardInfo, shard_info
+
+__all__ = [
+    "get_full_state_dict",
+    "load_full_state_dict",
+    "optimizer_state_from_dcp",
+    "optimizer_state_to_dcp",
+    "register_state_dict_hooks",
+    "sharded_dtensor",
+]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# one tensor
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _ranges(info: ShardInfo) -> list[tuple[int, int]]:
+    layout = info.unit.layout
+    return [layout.local_range(r, info.index) for r in range(layout.world_size)]
+
+
+def _block_ranges(ranges, block_size: int) -> list[tuple[int, int]]:
+    out = []
+    for lo, hi in ranges:
+        a = lo // block_size if hi > lo else -(-lo // block_size)
+        out.append((a, -(-hi // block_size) if hi > lo else a))
+    return out
+
+
+def sharded_dtensor(local: torch.Tensor, info: ShardInfo, *, block_size: int | None = None) -> RaggedDTensor:
+    """``local`` (laid out like the sharded param of ``info``: one value per local element, or with ``block_size``
+    one per local block) as a RaggedDTensor of the param's full shape (of ``ceil(numel / block_size)`` blocks)."""
+    ranges = _ranges(info)
+    shape = info.shape
+    if block_size is not None:
+        ranges, shape = _block_ranges(ranges, block_size), (-(-info.numel // block_size),)
+    return ragged_dtensor(local, shape, ranges, info.unit.rank, info.unit.group)
+
+
+def _full_value(v: torch.Tensor) -> torch.Tensor:
+    """The full value of a state-dict entry: a RaggedDTensor or torch DTensor is gathered (a collective on its
+    group; every rank loads the same keys in the same order), a replicated DTensor read locally."""
+    if isinstance(v, RaggedDTensor):
+        return v.full_tensor()
+    if hasattr(v, "placements") and hasattr(v, "to_local"):
+        if all(p.is_replicate() for p in v.placements):
+            return v.to_local()
+        return v.full_tensor()
+    return v
+
+
+def _local_piece(v: torch.Tensor, ranges, rank: int, full_shape, local_shape) -> torch.Tensor:
+    """This rank's piece of state-dict value ``v`` for a tensor laid out by ``ranges`` with ``full_shape``."""
+    if isinstance(v, RaggedDTensor) and v._ragged_ranges == tuple(ranges) and tuple(v.shape) == tuple(full_shape):
+        return v.to_local()  # same layout: no communication
+    full = _full_value(v)
+    if tuple(full.shape) != tuple(full_shape) and tuple(full.shape) == tuple(local_shape):
+        return full  # a rank-local piece (a per-rank state dict of the same layout)
+    lo, hi = ranges[rank]
+    return full.reshape(-1)[lo:hi]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# module hooks
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _own_params(module: nn.Module):
+    """(name, param, info) for the ragged params of units made by ``fully_shard(module)`` itself, every name of a
+    tied param."""
+    for name, p in module.named_parameters(remove_duplicate=False):
+        info = shard_info(p)
+        if info is not None and info.unit.module is module:
+            yield name, p, info
+
+
+def _to_dcp(module, state_dict, prefix, _local_metadata):
+    for name, p, info in _own_params(module):
+        key = prefix + name
+        if key in state_dict:
+            state_dict[key] = sharded_dtensor(p, info)
+
+
+def _expected(module: nn.Module, prefix: str) -> dict[str, tuple]:
+    """Every key ``module.state_dict(prefix=prefix)`` has, with its full shape (None: not a tensor)."""
+    sd = module.state_dict(prefix=prefix, keep_vars=True)
+    return {k: (tuple(v.shape) if isinstance(v, torch.Tensor) else None) for k, v in sd.items()}
+
+
+def check_state_dict(module: nn.Module, state_dict: dict, prefix: str, strict: bool) -> None:
+    """Raise before anything is written when ``state_dict`` does not fit ``module`` (keys when ``strict``, shapes
+    always). The shapes are the full ones: a ragged-sharded param takes its full tensor or a RaggedDTensor/DTensor of
+    its full shape."""
+    want = _expected(module, prefix)
+    # torch's set_model_state_dict(full_state_dict=True) fills keys the caller left out with the params themselves
+    own = {id(p) for p in module.parameters() if shard_info(p) is not None}
+    bad = []
+    for k, shape in want.items():
+        if k not in state_dict:
+            continue
+        v = state_dict[k]
+        if id(v) in own:
+            continue
+        if shape is not None and isinstance(v, torch.Tensor) and tuple(v.shape) != shape:
+            hint = ""
+            if v.dim() == 1 and len(shape) != 1:
+                hint = " (a flat rank-local piece? state dicts of ragged-sharded models hold full-shape tensors)"
+            bad.append(f"{k!r} has shape {tuple(v.shape)} in the state dict but {shape} in the model{hint}")
+    if strict:
+        missing = [k for k in want if k not in state_dict]
+        unexpected = [k for k in state_dict if k.startswith(prefix) and k not in want]
+        if missing:
+            bad.append(f"missing keys {missing[:6]}{' ...' if len(missing) > 6 else ''}")
+        if unexpected:
+            bad.append(f"unexpected keys {unexpected[:6]}{' ...' if len(unexpected) > 6 else ''}")
+    if bad:
+        raise RuntimeError(
+            f"Error(s) in loading state_dict for {type(module).__name__}: nothing was loaded: " + "; ".join(bad)
+        )
+
+
+def _from_dcp(module, state_dict, prefix, local_metadata, strict, _missing, _unexpected, _errors):
+    if local_metadata.get("assign_to_params_buffers"):
+        raise RuntimeError(
+            f"load_state_dict(assign=True) on a ragged_optim.fully_shard {type(module).__name__}: its params live in "
+            "a flat buffer and cannot be replaced; load with assign=False (the default)"
+        )
+    checked = getattr(state_dict, "_ragged_checked", None)  # the outermost sharded module checks its whole tree
+    if checked is None or not prefix.startswith(checked):
+        check_state_dict(module, state_dict, prefix, strict)
+        try:
+            state_dict._ragged_checked = prefix
+        except AttributeError:  # a plain dict: each sharded module checks its own tree
+            pass
+    for name, p, info in _own_params(module):
+        key = prefix + name
+        if key in state_dict and state_dict[key] is p:  # see check_state_dict: keeps its value
+            state_dict[key] = p.detach()
+        elif key in state_dict and isinstance(state_dict[key], torch.Tensor):
+            piece = _local_piece(state_dict[key], _ranges(info), info.unit.rank, info.shape, p.shape)
+            state_dict[key] = piece.to(p.dtype) if piece.is_floating_point() else piece
+
+
+def register_state_dict_hooks(module: nn.Module) -> None:
+    """Make ``module.state_dict()`` / ``load_state_dict`` speak DCP for the units ``fully_shard(module)`` made; also
+    install (once per process) the hook that gives optimizers of ragged params the same state dicts."""
+    module.register_state_dict_post_hook(_to_dcp)
+    module.register_load_state_dict_pre_hook(_from_dcp)
+    _install_optimizer_hook()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# optimizers
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _params_of(opt) -> list[torch.Tensor]:
+    return [p for g in opt.param_groups for p in g["params"]]
+
+
+def _state_layout(p, key: str, value, group: dict, state: dict):
+    """How a top-level optimizer state entry of ragged param ``p`` is laid out: "elem" (one value per local
+    element), "block" (8-bit scales, one per local block of ``group['block_size']``) or None (kept as is)."""
+    if not isinstance(value, torch.Tensor) or isinstance(value, RaggedDTensor) or value.dim() == 0:
+        return None
+    if key.endswith("_scales") and "block_size" in group and f"{key[: -len('_scales')]}_codes" in state:
+        return "block"
+    if value.shape == p.shape:
+        return "elem"
+    return None
+
+
+def optimizer_state_to_dcp(opt: torch.optim.Optimizer, state_dict: dict) -> dict:
+    """``opt.state_dict()`` with the state of ragged params as RaggedDTensors (full shapes); new dicts, the
+    optimizer's own state is not touched. Idempotent."""
+    ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+    groups = [g for g in opt.param_groups for _ in g["params"]]
+    new_state = dict(state_dict["state"])
+    for pid, p, group in zip(ids, _params_of(opt), groups):
+        info = shard_info(p)
+        st = new_state.get(pid)
+        if info is None or not st:
+            continue
+        out = {}
+        for k, v in st.items():
+            kind = _state_layout(p, k, v, group, st)
+            if kind == "elem":
+                v = sharded_dtensor(v, info)
+            elif kind == "block":
+                v = sharded_dtensor(v, info, block_size=group["block_size"])
+            out[k] = v
+        new_state[pid] = out
+    return {**state_dict, "state": new_state}
+
+
+def optimizer_state_from_dcp(opt: torch.optim.Optimizer, state_dict: Any) -> Any:
+    """The inverse for loading: RaggedDTensors, torch DTensors and full tensors of ragged params' state become this
+    rank's local pieces (rank-local tensors pass as they are). Anything else is returned unchanged for the
+    optimizer's own checks to judge."""
+    if not (isinstance(state_dict, dict) and isinstance(state_dict.get("state"), dict)):
+        return state_dict
+    saved_groups = state_dict.get("param_groups")
+    if not isinstance(saved_groups, list):
+        return state_dict
+    ids = [i for g in saved_groups for i in g.get("params", [])]
+    params = _params_of(opt)
+    if len(ids) != len(params):
+        return state_dict  # torch's own group-size check says what is wrong
+    groups = [g for g in saved_groups for _ in g.get("params", [])]
+    new_state = dict(state_dict["state"])
+    for pid, p, group in zip(ids, params, groups):
+        info = shard_info(p)
+        st = new_state.get(pid)
+        if info is None or not isinstance(st, dict):
+            continue
+        out = {}
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                if k.endswith("_scales") and "block_size" in group and f"{k[: -len('_scales')]}_codes" in st:
+                    bs = group["block_size"]
+                    ranges = _block_ranges(_ranges(info), bs)
+                    nb = -(-info.numel // bs)
+                    lo, hi = ranges[info.unit.rank]
+                    v = _local_piece(v, ranges, info.unit.rank, (nb,), (hi - lo,))
+                elif tuple(v.shape) == tuple(info.shape) or hasattr(v, "placements"):
+                    v = _local_piece(v, _ranges(info), info.unit.rank, info.shape, p.shape)
+            out[k] = v
+        new_state[pid] = out
+    return {**state_dict, "state": new_state}
+
+
+def _opt_post_hook(opt, state_dict):
+    return optimizer_state_to_dcp(opt, state_dict)
+
+
+def _opt_pre_hook(opt, state_dict):
+    return optimizer_state_from_dcp(opt, state_dict)
+
+
+def install_optimizer_hooks(opt: torch.optim.Optimizer) -> None:
+    """State-dict hooks on ``opt`` (once): see the module doc."""
+    if opt.__dict__.get("_ragged_sd_hooks"):
+        return
+    opt.register_state_dict_post_hook(_opt_post_hook)
+    opt.register_load_state_dict_pre_hook(_opt_pre_hook)
+    opt._ragged_sd_hooks = True
+
+
+def _before_step(opt, _args, _kwargs):
+    """Global optimizer step pre-hook: the first step of an optimizer holding ragged params installs its hooks
+    (torch's get/set_optimizer_state_dict run a step before they touch the state)."""
+    if opt.__dict__.get("_ragged_sd_hooks"):
+        return
+    n = sum(len(g["params"]) for g in opt.param_groups)
+    if opt.__dict__.get("_ragged_sd_seen") == n:
+        return
+    opt._ragged_sd_seen = n
+    if any(shard_info(p) is not None for p in _params_of(opt)):
+        install_optimizer_hooks(opt)
+
+
+_HOOK = []
+
+
+def _install_optimizer_hook() -> None:
+    if not _HOOK:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        _HOOK.append(register_optimizer_step_pre_hook(_before_step))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# full state dicts
+# ---------------------------------------------------------------------------------------------------------------
 
 
 def get_full_state_dict(model: nn.Module, *, cpu: bool = True) -> dict[str, torch.Tensor]:
     """``model.state_dict()`` with every sharded param replaced by its full tensor (a collective: one all-gather
-    per unit; call it on every rank). The result loads into the unsharded model with ``load_state_dict``."""
-    sd = model.state_dict(keep_vars=True)
-    gathered: dict[int, list[torch.Tensor]] = {}
+    per param; call it on every rank). The result loads into the unsharded model with ``load_state_dict``."""
     out = {}
-    for name, t in sd.items():
-        info = shard_info(t)
-        if info is not None:
-            unit = info.unit
-            if id(unit) not in gathered:
-                gathered[id(unit)] = unit._gather_master()
-            t = gathered[id(unit)][info.index]
-        t = t.detach()
-        out[name] = t.cpu() if cpu else t
+    for name, t in model.state_dict().items():
+        if isinstance(t, torch.Tensor):
+            t = t.full_tensor() if isinstance(t, RaggedDTensor) else t.detach()
+            t = t.cpu() if cpu else t
+        out[name] = t
     return out
 
 
 @torch.no_grad()
 def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], *, strict: bool = True) -> None:
     """Load a full state dict (e.g. from ``get_full_state_dict`` or an unsharded model) into a sharded model:
-    each rank copies its own ranges. No communication."""
-    own = model.state_dict(keep_vars=True)
+    each rank copies its own ranges. No communication. Every key and shape is checked before anything is
+    written."""
+    own = {k: v for k, v in model.state_dict().items()}
     missing = [k for k in own if k not in state_dict]
     unexpected = [k for k in state_dict if k not in own]
     if strict and (missing or unexpected):
@@ -39,18 +321,9 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], 
             "Is the checkpoint from another model? Pass strict=False to load the common keys"
         )
     for name, t in own.items():
-        if name not in state_dict:
-            continue
-        src = state_dict[name]
-        info = shard_info(t)
-        full_shape = info.shape if info is not None else t.shape
-        if tuple(src.shape) != tuple(full_shape):
+        if name in state_dict and isinstance(t, torch.Tensor) and tuple(state_dict[name].shape) != tuple(t.shape):
             raise ValueError(
-                f"load_full_state_dict: {name!r} has shape {tuple(src.shape)} in the state dict but "
-                f"{tuple(full_shape)} in the model; the checkpoint is from a differently shaped model"
+                f"load_full_state_dict: {name!r} has shape {tuple(state_dict[name].shape)} in the state dict but "
+                f"{tuple(t.shape)} in the model; the checkpoint is from a differently shaped model"
             )
-        if info is not None:
-            lo, hi = info.local_range
-            t.copy_(src.reshape(-1)[lo:hi].to(t.dtype))
-        else:
-            t.copy_(src)
+    model.load_state_dict({k: v for k, v in state_dict.items() if k in own}, strict=strict)

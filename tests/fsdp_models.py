@@ -11,6 +11,9 @@ class Block(nn.Module):
         self.l2 = nn.Linear(hidden, d)
         self.gain = nn.Parameter(torch.ones(2))  # smaller than most world sizes
 
+    def reset_parameters(self):  # the gain's own init, so that every param of the model has one
+        nn.init.ones_(self.gain)
+
     def forward(self, x):
         return x + self.l2(torch.relu(self.l1(x))) * self.gain.mean()
 
@@ -28,11 +31,12 @@ class Awkward(nn.Module):
         self.back = nn.Linear(7, d)
         self.head = nn.Linear(d, vocab, bias=False)
         self.head.weight = self.emb.weight
+        self.block_call = None  # e.g. activation checkpointing: lambda block, x: checkpoint(block, x, ...)
 
     def forward(self, idx):
         x = self.emb(idx)
         for b in self.layers:
-            x = b(x)
+            x = b(x) if self.block_call is None else self.block_call(b, x)
         x = x + self.back(self.narrow(torch.relu(self.wide(torch.relu(self.wide_in(x))))))
         return self.head(x)
 

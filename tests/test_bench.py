@@ -19,6 +19,8 @@ FSDP_KEYS = {
     "ours_bytes_per_step",
     "fsdp2_bytes_per_step",
     "param_max_abs_diff_vs_single",
+    "step_time_ratio_ac",
+    "param_max_abs_diff_vs_single_ac",
 }
 MUON_KEYS = {
     "ours_opt_step_s",
@@ -63,6 +65,10 @@ def test_fsdp_keys_and_sanity(fsdp_result):
     assert r["ours_bytes_per_step"] <= r["fsdp2_bytes_per_step"]
     assert r["ranks_agree_on_counts"]
     assert r["param_max_abs_diff_vs_single"] <= 1e-5
+    # activation checkpointing recomputes the same values: the same params as without it, on both sides
+    assert r["param_max_abs_diff_vs_single_ac"] == r["param_max_abs_diff_vs_single"]
+    assert r["fsdp2_param_max_abs_diff_vs_single_ac"] == r["fsdp2_param_max_abs_diff_vs_single"]
+    assert math.isclose(r["step_time_ratio_ac"], r["ours_step_s_ac"] / r["fsdp2_step_s_ac"])
 
 
 def test_muon_keys_and_sanity(muon_result):
@@ -147,3 +153,18 @@ def test_peers_cli_json_with_a_missing_peer(monkeypatch, capsys):
     assert 0.9 < obj["adamw8bit_val_loss_ratio_vs_fp32"] < 1.1
     assert rows["ro.AdamW8bit"]["state_bytes_per_param"] < rows["torch.optim.AdamW (fp32)"]["state_bytes_per_param"]
     assert "| adamw8bit: torchao AdamW8bit | not run: ImportError" in peers.markdown_table(obj)
+
+
+def test_memory_bench_keys_and_what_it_counts():
+    """bench memory at a tiny size: every key, and the persistent bytes before step 2 (shards + AdamW state, grads
+    freed by zero_grad) equal FSDP2's up to its padding: the measure sees what is alive, not only what moves."""
+    from ragged_optim.bench.memory import CONFIGS, run
+
+    r = run(world_size=2, preset="tiny", configs=("adamw",))
+    assert CONFIGS == ("adamw", "muon", "adamw_ac")
+    for key in ("ours_peak_bytes_adamw", "fsdp2_peak_bytes_adamw", "peak_ratio_vs_fsdp2_adamw", "init_peak_bytes"):
+        assert r[key] > 0, key
+    assert r["init_peak_bytes"] <= r["init_bound_bytes"]
+    expected = 3 * 4 * r["params"] / 2  # fp32 shards + two AdamW moments, a half per rank
+    assert expected <= r["ours_persistent_bytes_adamw"] <= r["fsdp2_persistent_bytes_adamw"] * 1.01
+    assert r["ours_peak_bytes_adamw"] > r["ours_persistent_bytes_adamw"]

@@ -112,11 +112,11 @@ def _on_ranks(rank, world_size):
 
     out["empty_container"] = _err(shard_layers)
 
-    # 5. Cast after fully_shard: a clear error at the next forward, before any collective or state change.
+    # 5. Cast after fully_shard: a clear error at the cast itself, before any param changed (the model trains on).
     for key, cast in {"bf16": lambda m: m.to(torch.bfloat16), "double": lambda m: m.double()}.items():
         m = sharded_net()
-        cast(m)
-        out[f"cast_{key}"] = _err(lambda m=m: m(_x()[rows].to(m.a.weight.dtype)))
+        out[f"cast_{key}"] = _err(lambda m=m, cast=cast: cast(m))
+        out[f"cast_{key}_untouched"] = m.a.weight.dtype == torch.float32 and _train(m, rows, 1) == [[]]
     m = sharded_net()
     m.b.bias.data = torch.zeros_like(m.b.bias)  # same dtype, but no longer a view of the flat buffer
     out["data_replaced"] = _err(lambda: m(_x()[rows]))
@@ -212,7 +212,7 @@ def test_container_without_forward_is_refused(container):
     name = type(container).__name__
     with pytest.raises(TypeError, match=f"a {name} has no forward.*'0.weight'.*fully_shard on each module inside it"):
         fully_shard(container)
-    assert not hasattr(container, "_ragged_unit")  # nothing was half-done
+    assert not hasattr(container, "_ragged_state")  # nothing was half-done
 
 
 def test_container_whose_params_are_all_in_inner_units_is_accepted(ranks):
@@ -223,12 +223,13 @@ def test_container_whose_params_are_all_in_inner_units_is_accepted(ranks):
 # ----------------------------------------------------------------------------------------------- 5. casting
 
 
-def test_cast_after_fully_shard_is_refused_at_forward(ranks):
+def test_cast_after_fully_shard_is_refused_with_nothing_changed(ranks):
     for r in ranks:
         for key, dtype in {"bf16": "torch.bfloat16", "double": "torch.float64"}.items():
             e = r[f"cast_{key}"]
             assert e.startswith("RuntimeError") and "'weight' (in Linear)" in e and dtype in e
             assert "before fully_shard" in e and "mp_policy=MixedPrecisionPolicy" in e
+            assert r[f"cast_{key}_untouched"] is True
         e = r["data_replaced"]
         assert e.startswith("RuntimeError") and "'bias' (in Linear) no longer lives in fully_shard's flat buffer" in e
         e = r["param_replaced"]

@@ -5,7 +5,9 @@ Both models come from the same seed and see the same per-rank batches. Step k ru
 FSDP2 then ours for odd k, so drifting machine load hits both alike. Step 0 is a warmup, step 1 is counted
 (``count_collectives`` around forward + backward + ``opt.step()``) and the rest are timed (barrier on each
 side; the reported time is the median). Afterwards rank 0 replays every step in one process (each rank's rows as a
-micro-batch, so the gradient sum has the same terms) and compares our full params with it.
+micro-batch, so the gradient sum has the same terms) and compares our full params with it. The same is then done
+with activation checkpointing on both sides (every block recomputed in backward, ``use_reentrant=False``): keys
+ending in ``_ac``; recomputing changes no value, so the one-process replay serves both.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from ragged_optim.comm.counter import count_collectives
 from ragged_optim.comm.launch import run_on_ranks
 from ragged_optim.data import get_batch
 from ragged_optim.models import build_model, get_config, num_params
+from ragged_optim.sharding import full_tensor
 from ragged_optim.train import shard_model
 
 DESCRIPTION = "GPT (bench20m) + AdamW step: ours vs torch FSDP2 (time, collectives, bytes, parity)"
@@ -32,12 +35,11 @@ def _adamw(model, lr):
     return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
 
 
-def _rank(rank, world_size, cfg, batch_size, steps, lr, compare_single):
-    from ragged_optim.sharding import full_tensor
-
-    batches = [get_batch("train", batch_size, cfg.seq_len, s, rank, world_size) for s in range(steps + 2)]
+def _measure(rank, world_size, cfg, batches, lr, ac):
+    """Train ours and FSDP2 side by side on ``batches``; their times, counts and final full params."""
     ours = shard_model(build_model(cfg, seed=0), "ours")
     fsdp2 = shard_model(build_model(cfg, seed=0), "torch")
+    ours.activation_checkpointing = fsdp2.activation_checkpointing = ac
     sides = {"ours": (ours, _adamw(ours, lr)), "fsdp2": (fsdp2, _adamw(fsdp2, lr))}
     times = {"ours": [], "fsdp2": []}
     counts = {}
@@ -53,13 +55,26 @@ def _rank(rank, world_size, cfg, batch_size, steps, lr, compare_single):
                 t = timed(_train_step, model, opt, x, y)
                 if s >= 2:
                     times[name].append(t)
-    full_ours = {n: full_tensor(p).clone() for n, p in ours.named_parameters()}
-    full_fsdp2 = {n: p.full_tensor().clone() for n, p in fsdp2.named_parameters()}
+    full = {
+        "ours": {n: full_tensor(p).clone() for n, p in ours.named_parameters()},
+        "fsdp2": {n: p.full_tensor().clone() for n, p in fsdp2.named_parameters()},
+    }
+    return times, counts, full
+
+
+def _rank(rank, world_size, cfg, batch_size, steps, lr, compare_single):
+    batches = [get_batch("train", batch_size, cfg.seq_len, s, rank, world_size) for s in range(steps + 2)]
+    times, counts, full = _measure(rank, world_size, cfg, batches, lr, ac=False)
+    times_ac, _, full_ac = _measure(rank, world_size, cfg, batches, lr, ac=True)
     out = {
         "ours_step_s": median(times["ours"]),
         "fsdp2_step_s": median(times["fsdp2"]),
         "ours_step_times_s": times["ours"],
         "fsdp2_step_times_s": times["fsdp2"],
+        "ours_step_s_ac": median(times_ac["ours"]),
+        "fsdp2_step_s_ac": median(times_ac["fsdp2"]),
+        "ours_step_times_s_ac": times_ac["ours"],
+        "fsdp2_step_times_s_ac": times_ac["fsdp2"],
         "ours_collectives_per_step": counts["ours"].total_calls,
         "fsdp2_collectives_per_step": counts["fsdp2"].total_calls,
         "ours_bytes_per_step": counts["ours"].total_bytes,
@@ -80,11 +95,14 @@ def _rank(rank, world_size, cfg, batch_size, steps, lr, compare_single):
             opt.zero_grad(set_to_none=True)
         with torch.no_grad():
             single = dict(ref.named_parameters())
-            out["param_max_abs_diff_vs_single"] = max((full_ours[n] - single[n]).abs().max().item() for n in single)
-            out["fsdp2_param_max_abs_diff_vs_single"] = max(
-                (full_fsdp2[n] - single[n]).abs().max().item() for n in single
-            )
 
+            def diff(params):
+                return max((params[n] - single[n]).abs().max().item() for n in single)
+
+            out["param_max_abs_diff_vs_single"] = diff(full["ours"])
+            out["fsdp2_param_max_abs_diff_vs_single"] = diff(full["fsdp2"])
+            out["param_max_abs_diff_vs_single_ac"] = diff(full_ac["ours"])
+            out["fsdp2_param_max_abs_diff_vs_single_ac"] = diff(full_ac["fsdp2"])
     return out
 
 
@@ -123,6 +141,7 @@ def run(
     }
     out.update(results[0])
     out["step_time_ratio"] = out["ours_step_s"] / out["fsdp2_step_s"]
+    out["step_time_ratio_ac"] = out["ours_step_s_ac"] / out["fsdp2_step_s_ac"]
     pairs = [a / b for a, b in zip(out["ours_step_times_s"], out["fsdp2_step_times_s"])]
     out["step_time_ratio_paired_median"] = median(pairs)
     out["bytes_ratio"] = out["ours_bytes_per_step"] / max(1, out["fsdp2_bytes_per_step"])

@@ -52,6 +52,7 @@ from ragged_optim.optim.muon import adamw_group_update_
 from ragged_optim.optim.optimizer import RaggedOptimizer, check_real, check_reals
 from ragged_optim.sharding import BlockSpec, shard_info
 from ragged_optim.sharding.owner_routes import balanced_owners, blocks_over_ranges, dtensor_local_ranges
+from ragged_optim.sharding.state_dict import optimizer_state_from_dcp
 
 __all__ = ["AdamW8bit", "DEFAULT_QMAPS", "STATE_KEYS_8BIT"]
 
@@ -323,6 +324,7 @@ class AdamW8bit(RaggedOptimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # torch.optim.Optimizer casts every state tensor to its param's dtype (uint8 codes would become fp32):
         # load the 8-bit entries ourselves, keeping their dtype.
+        state_dict = optimizer_state_from_dcp(self, self._dtypes_back(state_dict))
         self._check_state_dict(state_dict)
         plain = dict(state_dict)
         plain["state"], codes = {}, {}

@@ -11,6 +11,7 @@ import torch
 
 from ragged_optim.optim.base import full_shape, lock_layouts
 from ragged_optim.optim.nonfinite import guard_step
+from ragged_optim.sharding.state_dict import optimizer_state_from_dcp
 
 
 def _shown(value: Any) -> str:
@@ -133,8 +134,40 @@ class RaggedOptimizer(torch.optim.Optimizer):
                         f"{sorted(st)}): a state dict saved by another optimizer class, or with other param groups?"
                     )
 
+    def state_dict(self) -> dict[str, Any]:
+        """torch's, with ``torch.dtype`` hyperparameters (Muon's ``ns_dtype``) as strings ("torch.bfloat16"):
+        torch's get_optimizer_state_dict and DCP keep only plain types. load_state_dict turns them back."""
+        sd = super().state_dict()
+        for g in sd["param_groups"]:
+            for k, v in g.items():
+                if isinstance(v, torch.dtype):
+                    g[k] = str(v)
+        return sd
+
+    @staticmethod
+    def _dtypes_back(state_dict: Any) -> Any:
+        if not (isinstance(state_dict, dict) and isinstance(state_dict.get("param_groups"), list)):
+            return state_dict
+        groups = []
+        for g in state_dict["param_groups"]:
+            if isinstance(g, dict):
+                g = {k: _as_dtype(v) for k, v in g.items()}
+            groups.append(g)
+        return {**state_dict, "param_groups": groups}
+
     def load_state_dict(self, state_dict) -> None:
         """torch's loader checks only group sizes; first make sure the state was saved for these params and by
-        this optimizer class (:meth:`_check_state_dict`), so that a failed load changes nothing."""
+        this optimizer class (:meth:`_check_state_dict`), so that a failed load changes nothing. State of ragged params
+        given as full tensors or (Ragged)DTensors (torch's set_optimizer_state_dict, DCP) becomes local pieces first."""
+        state_dict = optimizer_state_from_dcp(self, self._dtypes_back(state_dict))
         self._check_state_dict(state_dict)
         super().load_state_dict(state_dict)
+
+
+def _as_dtype(v):
+    """ "torch.bfloat16" -> torch.bfloat16 (how state_dict stores dtype hyperparameters); anything else as is."""
+    if isinstance(v, str) and v.startswith("torch."):
+        d = getattr(torch, v[len("torch.") :], None)
+        if isinstance(d, torch.dtype):
+            return d
+    return v

@@ -1,0 +1,167 @@
+"""`bench memory`: peak bytes per rank over a full training step, ours against PyTorch FSDP2 on the same GPT.
+
+Per configuration (AdamW; Muon against torch.optim.Muon + AdamW on FSDP2; AdamW with activation checkpointing on
+both sides), every rank builds, shards and trains each side for two steps inside one allocator trace
+(``torch.profiler`` memory events on CPU, ``torch.cuda.max_memory_allocated`` on CUDA). The figure is the largest
+number of bytes allocated at any moment of the second step (forward, backward, optimizer step; optimizer state
+exists by then), counting everything alive then: shards, optimizer state, gradients, gathered params and grads in
+flight, activations, communication buffers. The max over ranks is reported. ``init_peak_bytes`` is ours building
+the same GPT on the meta device, sharding it, ``to_empty`` and ``init_weights``; its bound is this rank's shards
+plus the largest unit unsharded (docs/runtime.md).
+"""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+import torch.distributed as dist
+
+from ragged_optim.comm.launch import run_on_ranks
+from ragged_optim.data import get_batch
+from ragged_optim.memory import allocation_timeline, peak_bytes
+from ragged_optim.models import GPT, build_model, get_config, num_params
+from ragged_optim.sharding import init_weights, units_of
+from ragged_optim.train import shard_model
+
+DESCRIPTION = "peak bytes per rank over a training step (AdamW, Muon, AdamW + activation checkpointing): ours vs FSDP2"
+CONFIGS = ("adamw", "muon", "adamw_ac")
+_MARK = "bench_memory_step2"
+
+
+def _optimizer(model, kind: str, side: str):
+    if kind != "muon":
+        return [torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)]
+    if side == "ours":
+        from ragged_optim.optim import Muon, muon_param_groups
+
+        return [Muon(muon_param_groups(model), lr=0.02, ns_dtype=torch.float32)]
+    hidden = [p for n, p in model.named_parameters() if p.ndim == 2 and "layers." in n]
+    rest = [p for n, p in model.named_parameters() if not (p.ndim == 2 and "layers." in n)]
+    return [torch.optim.Muon(hidden, lr=0.02), torch.optim.AdamW(rest, lr=1e-3, weight_decay=0.0)]
+
+
+def _step(model, opts, x, y):
+    model(x, y).backward()
+    for opt in opts:
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def _train_and_measure(cfg, kind, side, batches) -> dict:
+    """Bytes allocated at the peak of step 2, counted from before the model was built, and the level before it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    gc.collect()  # garbage of an earlier measurement freed inside this trace would read as negative bytes
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        model = shard_model(build_model(cfg, seed=0), "ours" if side == "ours" else "torch")
+        model.activation_checkpointing = kind.endswith("_ac")
+        opts = _optimizer(model, kind, side)
+        _step(model, opts, *batches[0])
+        with torch.profiler.record_function(_MARK):
+            _step(model, opts, *batches[1])
+    events = allocation_timeline(prof)
+    lo, hi = _window(prof, _MARK)
+    inside = [t for ts, t in events if lo <= ts <= hi]
+    before = [t for ts, t in events if ts < lo]
+    level = before[-1] if before else 0
+    del model, opts
+    gc.collect()
+    return {"peak": max(inside + [level]), "level_before_step2": level}
+
+
+def _window(prof, name: str) -> tuple[int, int]:
+    """Start and end (ns, the allocation events' clock) of the profiled ``record_function(name)``."""
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        if node.name == name:
+            return node.start_time_ns, node.end_time_ns
+        stack.extend(node.children)
+    raise RuntimeError(f"bench memory: the profile has no {name!r} region")
+
+
+def _init_peak(cfg) -> dict:
+    def build():
+        with torch.device("meta"):
+            model = GPT(cfg, seed=None)
+        shard_model(model, "ours")
+        model.to_empty(device="cpu")
+        torch.manual_seed(0)
+        init_weights(model, init_fn=_normal_init(model.config.init_std))
+        return model
+
+    model, peak = peak_bytes(build)
+    units = units_of(model)
+    shards = sum(u.local_shard.nbytes for u in units)
+    largest = max(u.layout.total_size * u.local_shard.element_size() for u in units)
+    return {"init_peak_bytes": peak, "init_bound_bytes": shards + largest}
+
+
+def _normal_init(std):
+    """A GPT-like init per module (only the bytes held while it runs are measured here, not its values)."""
+
+    def init(module):
+        for name, p in module._parameters.items():
+            if p is None:
+                continue
+            if p.ndim >= 2:
+                torch.nn.init.normal_(p, std=std)
+            elif name == "weight":
+                torch.nn.init.ones_(p)
+            else:
+                torch.nn.init.zeros_(p)
+
+    return init
+
+
+def _breakdown(cfg, world_size) -> dict:
+    """Our persistent bytes by kind, from the layouts (fp32; AdamW's two moments per param)."""
+    n = num_params(build_model(cfg, device="meta"))
+    per_rank = 4 * n / world_size
+    return {"params": per_rank, "grads": per_rank, "optimizer_state_adamw": 2 * per_rank}
+
+
+def _rank(rank, world_size, cfg, batch_size, configs):
+    batches = [get_batch("train", batch_size, cfg.seq_len, s, rank, world_size) for s in range(2)]
+    out = {}
+    for kind in configs:
+        for side in ("ours", "fsdp2"):
+            dist.barrier()
+            r = _train_and_measure(cfg, kind, side, batches)
+            out[f"{side}_peak_bytes_{kind}"] = r["peak"]
+            out[f"{side}_persistent_bytes_{kind}"] = r["level_before_step2"]
+    out.update(_init_peak(cfg))
+    return out
+
+
+def run(
+    world_size: int = 4,
+    steps: int | None = None,
+    *,
+    preset: str = "bench50m",
+    batch_size: int | None = None,
+    configs: tuple[str, ...] = CONFIGS,
+    timeout_s: float = 1200.0,
+    **overrides,
+) -> dict:
+    """Peak bytes per rank (max over ranks) for each configuration; ``steps`` is ignored (always two)."""
+    del steps
+    cfg = get_config(preset, **overrides)
+    batch_size = batch_size or world_size
+    results = run_on_ranks(_rank, world_size, cfg, batch_size, configs, timeout_s=timeout_s)
+    out = {
+        "world_size": world_size,
+        "preset": preset,
+        "params": num_params(build_model(cfg, device="meta")),
+        "global_batch": batch_size,
+        "seq_len": cfg.seq_len,
+        "measure": "CPU allocator events (torch.profiler profile_memory), peak of step 2, max over ranks",
+    }
+    for key in results[0]:
+        out[key] = max(r[key] for r in results)
+    for kind in configs:
+        out[f"peak_ratio_vs_fsdp2_{kind}"] = out[f"ours_peak_bytes_{kind}"] / out[f"fsdp2_peak_bytes_{kind}"]
+    out["ours_breakdown"] = _breakdown(cfg, world_size)
+    out["init_peak_over_bound"] = out["init_peak_bytes"] / out["init_bound_bytes"]
+    return out

@@ -1,0 +1,243 @@
+"""A ragged-sharded tensor as torch's distributed checkpoint (DCP) sees it: full shape, rectangular chunks per rank.
+
+Rank k holds elements ``[lo_k, hi_k)`` of the row-major flattening of a tensor of shape ``shape``. Such a range is
+not one rectangle, but it is a short list of them: a partial last-dim row, whole rows of the next dim up, ... up to
+whole slabs of dim 0, then the same going down (at most ``2 * ndim - 1`` boxes; for a matrix: a partial first
+row, whole rows, a partial last row). :class:`RaggedDTensor` describes each box to DCP as one chunk
+(``__create_write_items__`` / ``__create_chunk_list__`` / ``__get_tensor_shard__``) whose data is a view of the flat
+local piece, so ``dcp.save`` writes exactly the rank's elements and ``dcp.load`` writes straight into them. DCP's
+own overlap logic reshards between any two layouts (ours at any world size, FSDP2's ``Shard(0)``, a plain tensor).
+
+It is a ``DTensor`` subclass so that torch's state-dict helpers treat it as a distributed tensor:
+``get_model_state_dict(..., full_state_dict=True)`` calls ``redistribute(placements=[Replicate()])``, which we
+answer with one all-gather, and ``_distribute_state_dict`` (``set_*_state_dict(full_state_dict=True)``) calls
+``distribute_tensor(full, mesh, placements)``. Its placement, :class:`RaggedShard`, derives from ``Replicate`` for
+that one call only: ``distribute_tensor`` then hands every rank the full value and our load hooks cut the rank's
+range out of it. No DTensor op rule ever sees a RaggedDTensor: every aten op other than detach/alias/clone/copy
+to another device or dtype is refused with a message (the local data is a ragged piece, not what any rule expects).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+__all__ = ["RaggedDTensor", "RaggedShard", "flat_range_boxes", "ragged_dtensor"]
+
+Box = tuple[tuple[int, ...], tuple[int, ...], int, int]  # (offsets, sizes, flat start, flat end)
+
+
+def flat_range_boxes(shape, lo: int, hi: int) -> list[Box]:
+    """The rectangles that make up elements ``[lo, hi)`` of a row-major tensor of ``shape``, in element order:
+    ``(offsets, sizes, start, end)`` with ``[start, end)`` the flat elements of each box."""
+    shape = tuple(int(d) for d in shape)
+    if hi <= lo:
+        return []
+    if not shape:
+        return [((), (), lo, hi)]
+    if len(shape) == 1:
+        return [((lo,), (hi - lo,), lo, hi)]
+    inner = math.prod(shape[1:])
+    out: list[Box] = []
+
+    def rows_of(row: int, a: int, b: int) -> None:  # part [a, b) of row ``row`` (inside one row)
+        for off, size, s, e in flat_range_boxes(shape[1:], a, b):
+            out.append(((row, *off), (1, *size), row * inner + s, row * inner + e))
+
+    if lo % inner:
+        row = lo // inner
+        end = min(hi, (row + 1) * inner)
+        rows_of(row, lo - row * inner, end - row * inner)
+        lo = end
+    whole = hi // inner - lo // inner if lo < hi else 0
+    if whole > 0:
+        r0 = lo // inner
+        out.append(((r0, *([0] * (len(shape) - 1))), (whole, *shape[1:]), lo, lo + whole * inner))
+        lo += whole * inner
+    if lo < hi:
+        row = lo // inner
+        rows_of(row, 0, hi - row * inner)
+    return out
+
+
+class RaggedShard(Replicate):
+    """The placement of a :class:`RaggedDTensor` (one per mesh dim: the shard group). See the module doc for why it
+    derives from ``Replicate``; the ranges live on the tensor, not here."""
+
+    def __repr__(self) -> str:
+        return "RaggedShard()"
+
+    __str__ = __repr__
+
+
+_MESHES: dict = {}
+
+
+def mesh_of(group) -> DeviceMesh:
+    """A 1-D DeviceMesh over ``group`` (cached per group; building one is cheap but not free)."""
+    group = group if group is not None else dist.group.WORLD
+    if group not in _MESHES:
+        device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+        _MESHES[group] = DeviceMesh.from_group(group, device)
+    return _MESHES[group]
+
+
+_PASSTHROUGH = {
+    torch.ops.aten.detach.default,
+    torch.ops.aten.alias.default,
+}
+_ON_LOCAL = {
+    torch.ops.aten.clone.default,
+    torch.ops.aten._to_copy.default,
+}
+
+
+class RaggedDTensor(DTensor):
+    """A tensor of full shape ``shape`` of which this rank holds the flat elements ``ranges[rank]`` (``_local``, a
+    1-D view of the flat shard). Build it with :func:`ragged_dtensor`."""
+
+    _ragged_ranges: tuple[tuple[int, int], ...]
+    _ragged_rank: int
+    _ragged_group: object
+
+    # ----- DCP's chunk protocol ---------------------------------------------------------------------------
+    def _boxes(self) -> list[Box]:
+        lo, hi = self._ragged_ranges[self._ragged_rank]
+        if math.prod(self.shape) == 0:  # no elements: rank 0 still records the (empty) tensor, shape and all
+            return [((0,) * len(self.shape), tuple(self.shape), 0, 0)] if self._ragged_rank == 0 else []
+        return flat_range_boxes(self.shape, lo, hi)
+
+    def __create_write_items__(self, fqn: str, obj):
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+        props = TensorProperties.create_from_tensor(self._local_tensor)
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, torch.Size(off)),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=torch.Size(off), sizes=torch.Size(size)),
+                    properties=props,
+                    size=self.shape,
+                ),
+            )
+            for off, size, _, _ in self._boxes()
+        ]
+
+    def __create_chunk_list__(self):
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        return [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s, _, _ in self._boxes()]
+
+    def __get_tensor_shard__(self, index):
+        lo = self._ragged_ranges[self._ragged_rank][0]
+        want = tuple(index.offset) if index.offset is not None else None
+        for off, size, s, e in self._boxes():
+            if want is None or tuple(off) == want:
+                return self._local_tensor[s - lo : e - lo].view(size)
+        raise ValueError(f"{index.fqn}: this rank holds no chunk at offset {want}")
+
+    # ----- the full value ---------------------------------------------------------------------------------
+    def full_tensor(self, *, grad_placements=None) -> torch.Tensor:
+        """The full tensor on every rank (a collective on the shard group: one all-gather)."""
+        group = self._ragged_group
+        world = len(self._ragged_ranges)
+        local = self._local_tensor.reshape(-1)
+        width = max((hi - lo for lo, hi in self._ragged_ranges), default=0)
+        if world == 1:
+            return local.clone().view(self.shape)
+        buf = torch.zeros(width, dtype=local.dtype, device=local.device)
+        buf[: local.numel()] = local
+        out = torch.empty(world * width, dtype=local.dtype, device=local.device)
+        dist.all_gather_into_tensor(out, buf, group=group)
+        full = torch.empty(math.prod(self.shape), dtype=local.dtype, device=local.device)
+        for r, (lo, hi) in enumerate(self._ragged_ranges):
+            full[lo:hi] = out[r * width : r * width + hi - lo]
+        return full.view(self.shape)
+
+    def redistribute(self, device_mesh=None, placements=None, *, async_op=False, **_kw):
+        """Only to all-``Replicate`` (what ``get_*_state_dict(full_state_dict=True)`` asks for)."""
+        if placements is None or not all(type(p) is Replicate for p in placements):
+            raise NotImplementedError(
+                f"a ragged-sharded tensor redistributes only to [Replicate()], not {placements}; call "
+                ".full_tensor() and distribute the full value"
+            )
+        full = self.full_tensor()
+        return DTensor.from_local(full, self.device_mesh, [Replicate()], run_check=False)
+
+    def to_local(self, *, grad_placements=None) -> torch.Tensor:
+        """This rank's flat piece (elements ``ranges[rank]`` of the flattened tensor), aliasing the flat shard."""
+        return self._local_tensor
+
+    @property
+    def ragged_range(self) -> tuple[int, int]:
+        return self._ragged_ranges[self._ragged_rank]
+
+    # ----- ops -------------------------------------------------------------------------------------------
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        me = args[0] if args and isinstance(args[0], RaggedDTensor) else None
+        if me is not None and func in _PASSTHROUGH:
+            return me._rewrap(me._local_tensor)
+        if me is not None and func in _ON_LOCAL and all(not isinstance(a, DTensor) for a in args[1:]):
+            return me._rewrap(func(me._local_tensor, *args[1:], **kwargs))
+        raise RuntimeError(  # not TypeError: torch turns that into NotImplemented for operators
+            f"{func} on a ragged-sharded state-dict tensor: it holds a ragged piece of the flattened tensor, which "
+            "no DTensor op rule understands. Save or load it with torch.distributed.checkpoint, call .full_tensor() "
+            "(a collective) for the full value, or .to_local() for this rank's flat piece"
+        )
+
+    def _rewrap(self, local: torch.Tensor) -> RaggedDTensor:
+        return _build(local, self.shape, self._ragged_ranges, self._ragged_rank, self._ragged_group)
+
+    def __repr__(self) -> str:
+        lo, hi = self.ragged_range
+        return (
+            f"RaggedDTensor(shape={tuple(self.shape)}, dtype={self.dtype}, elements [{lo}, {hi}) of "
+            f"{math.prod(self.shape)} on rank {self._ragged_rank} of {len(self._ragged_ranges)})"
+        )
+
+    __str__ = __repr__
+
+    def __deepcopy__(self, memo):
+        return self._rewrap(self._local_tensor.clone())
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(
+            "a ragged-sharded state-dict tensor cannot be pickled (torch.save): save state dicts with "
+            "torch.distributed.checkpoint (dcp.save), or get full tensors with "
+            "get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)) / "
+            "ragged_optim.get_full_state_dict"
+        )
+
+
+def _build(local, shape, ranges, rank, group) -> RaggedDTensor:
+    shape = torch.Size(shape)
+    stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+    spec = DTensorSpec(mesh_of(group), (RaggedShard(),), tensor_meta=TensorMeta(shape, stride, local.dtype))
+    out = RaggedDTensor(local, spec, requires_grad=False)
+    out._ragged_ranges = tuple((int(a), int(b)) for a, b in ranges)
+    out._ragged_rank = int(rank)
+    out._ragged_group = group
+    return out
+
+
+def ragged_dtensor(local: torch.Tensor, shape, ranges, rank: int, group) -> RaggedDTensor:
+    """Wrap ``local`` (this rank's flat elements ``ranges[rank]`` of a tensor of ``shape``; not copied) for DCP.
+    ``ranges`` lists every rank's ``(lo, hi)`` in ``group``'s rank order."""
+    lo, hi = ranges[rank]
+    local = local.detach()
+    if local.numel() != hi - lo:
+        raise ValueError(f"ragged_dtensor: the local piece has {local.numel()} elements, [{lo}, {hi}) wants {hi - lo}")
+    return _build(local.reshape(-1), shape, ranges, rank, group)
+
+
+def is_ragged_dtensor(t) -> bool:
+    return isinstance(t, RaggedDTensor)

@@ -1,0 +1,313 @@
+"""The iteration state machine of ``fully_shard`` modules, kept per root as FSDP2 keeps it.
+
+One ``ModuleState`` per ``fully_shard`` call (its one or two ``FlatUnit``s: trainable params, frozen params) and
+one ``RootContext`` per root module, shared by every state under it; nothing is per process, so a failed
+iteration or another model in the process cannot leak into this one. Hooks drive the transitions:
+
+- pre-forward: the first forward outside backward with no iteration in flight starts one (a failed earlier
+  iteration is reset first, params are checked, gathered data is marked stale); the unit is gathered, its module
+  points at the unsharded params, the next unit in forward order is prefetched, and the inputs are routed through
+  ``_PostBackward`` so the unit's post-backward runs when autograd reaches them.
+- post-forward (``always_call``: it runs when forward raises too): the module points back at the sharded params;
+  the unit reshards unless it is the root or ``reshard_after_forward=False``; outputs get a pre-backward hook.
+- forward inside backward (activation checkpointing recomputes it): gather, but never reshard, reset or record:
+  the unit's backward is about to read the recomputed tensors.
+- pre-backward (the outputs' first grad): gather, point ``.grad`` at the flat grad buffer, prefetch the next unit
+  in backward order, queue the root's end-of-backward callback once.
+- post-backward (the inputs' grads are done): reduce-scatter the unit's whole flat grad buffer (zeros where a
+  param got no grad, so every rank issues the same collectives whatever was used), reshard; at most one
+  reduce-scatter stays in flight. The end-of-backward callback does the same, in a fixed order, for units whose
+  inputs needed no grad, then lands every reduced gradient.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+
+import torch
+from torch.autograd import Variable
+from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
+
+from ragged_optim.sharding.flat_unit import FlatUnit
+
+# Reduce-scatters whose input buffers may be alive at once (FSDP2 keeps one, too).
+MAX_REDUCES_IN_FLIGHT = 1
+
+
+class TrainingState(enum.Enum):
+    IDLE = "idle"
+    FORWARD = "forward"
+    PRE_BACKWARD = "pre_backward"
+    POST_BACKWARD = "post_backward"
+
+
+def in_backward() -> bool:
+    """True while autograd runs a backward (a forward then is activation checkpointing's recompute)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class RootContext:
+    """Iteration state of one root module and every ``fully_shard`` module under it."""
+
+    def __init__(self, root: ModuleState):
+        self.root = root
+        self.states: list[ModuleState] = []  # module pre-order: the fixed order of end-of-backward work
+        self.iter_forward_root: ModuleState | None = None
+        self.callback_queued = False
+        self.forward_order: list[ModuleState] = []  # first training forward's order: forward prefetch
+        self.forward_order_done = False
+        self.post_forward_order: list[ModuleState] = []  # this iteration's, with multiplicity: backward prefetch
+        self.ran_forward: set[int] = set()
+        self.reduces_in_flight: deque[FlatUnit] = deque()
+
+    def busy(self) -> bool:
+        return self.iter_forward_root is not None or self.callback_queued
+
+    # ----- iteration boundaries ---------------------------------------------------------------------------
+    def start_iteration(self, state: ModuleState) -> None:
+        """A forward outside backward with no iteration in flight: reset what a failed one left, check every
+        unit's params, mark gathered data stale (an optimizer step may have changed the shards)."""
+        if self.callback_queued or any(s.training_state != TrainingState.IDLE for s in self.states):
+            self.reset()
+        for s in self.states:
+            for u in s.units:
+                u.sync_with_sharded_params()
+        for s in self.states:
+            for u in s.units:
+                u.stale = True
+        if len(self.post_forward_order) > 16 * max(1, len(self.states)):  # forwards with grad, never backwarded
+            self._clear_post_forward_order()
+        self.iter_forward_root = state
+        self.ran_forward = set()
+
+    def finish_forward(self) -> None:
+        """The iteration's outermost forward returned (or raised): release units prefetched but never run."""
+        for s in self.states:
+            if id(s) not in self.ran_forward:
+                for u in s.units:
+                    if u.pending_gather is not None:
+                        u.reshard()
+        self.iter_forward_root = None
+
+    def reset(self) -> None:
+        """Forget a failed forward or backward: collectives in flight are waited for (every rank issued them) and
+        their results dropped, buffers freed, every state idle. Sharded grads of finished iterations are kept."""
+        for s in self.states:
+            for u in s.units:
+                u.reset_iteration()
+            s.training_state = TrainingState.IDLE
+        self.reduces_in_flight.clear()
+        self._clear_post_forward_order()
+        self.callback_queued = False
+        self.iter_forward_root = None
+
+    def _clear_post_forward_order(self) -> None:
+        self.post_forward_order.clear()
+        for s in self.states:
+            s.post_forward_indices.clear()
+
+    # ----- backward ---------------------------------------------------------------------------------------
+    def queue_final_callback(self) -> None:
+        if not self.callback_queued:
+            self.callback_queued = True
+            Variable._execution_engine.queue_callback(self._final_callback)
+
+    def track_reduce(self, unit: FlatUnit) -> None:
+        self.reduces_in_flight.append(unit)
+        while len(self.reduces_in_flight) > MAX_REDUCES_IN_FLIGHT:
+            self.reduces_in_flight.popleft().finish_reduce_grads()
+
+    def _final_callback(self) -> None:
+        for s in self.states:  # units whose inputs needed no grad: their post-backward runs here, in a fixed order
+            if s.training_state != TrainingState.IDLE or s.post_forward_indices:
+                s.post_backward()
+            s.training_state = TrainingState.IDLE
+        while self.reduces_in_flight:
+            self.reduces_in_flight.popleft().finish_reduce_grads()
+        for s in self.states:
+            for u in s.units:
+                if u.pending_gather is not None:  # a backward prefetch whose unit got no backward
+                    u.reshard()
+        self._clear_post_forward_order()
+        self.callback_queued = False
+
+
+class ModuleState:
+    """What one ``fully_shard`` call keeps: its units, its options and where it is in the iteration."""
+
+    def __init__(self, module, units: list[FlatUnit], reshard_after_forward: bool):
+        self.module = module
+        self.units = units
+        self.reshard_after_forward = reshard_after_forward
+        self.ctx: RootContext | None = None
+        self.is_root: bool | None = None  # fixed at lazy init: the first module to run forward is the root
+        self.training_state = TrainingState.IDLE
+        self.post_forward_indices: list[int] = []
+
+    # ----- lazy init --------------------------------------------------------------------------------------
+    def lazy_init(self, states_under) -> RootContext:
+        """At this module's first forward, unless an enclosing root already claimed it: it becomes a root and every
+        state under it joins its context (a sub-module that ran forward on its own before is re-homed)."""
+        if self.ctx is not None:
+            return self.ctx
+        ctx = RootContext(self)
+        for s in states_under:
+            if s.ctx is not None and s.ctx.busy():
+                raise RuntimeError(
+                    f"fully_shard: {type(s.module).__name__} is in the middle of an iteration of another root "
+                    "module; finish its forward and backward before running an enclosing module"
+                )
+            s.ctx = ctx
+            s.is_root = s is self
+            ctx.states.append(s)
+        self.ctx = ctx
+        return ctx
+
+    # ----- forward ----------------------------------------------------------------------------------------
+    def pre_forward(self, args, kwargs):
+        ctx = self.ctx
+        if in_backward():  # recompute for activation checkpointing: the unit's backward reads what this makes
+            self._gather()
+            self._set_unsharded_attrs()
+            return self._register_post_backward(args, kwargs)
+        if ctx.iter_forward_root is None:
+            ctx.start_iteration(self)
+        ctx.ran_forward.add(id(self))
+        self.training_state = TrainingState.FORWARD
+        grad = torch.is_grad_enabled()
+        if grad and not ctx.forward_order_done and self not in ctx.forward_order:
+            ctx.forward_order.append(self)
+        self._gather()
+        self._set_unsharded_attrs()
+        nxt = _next_in(ctx.forward_order, self)
+        if nxt is not None and id(nxt) not in ctx.ran_forward:
+            for u in nxt.units:
+                u.start_unshard()
+        return self._register_post_backward(args, kwargs)
+
+    def post_forward(self, output):
+        ctx = self.ctx
+        grad = torch.is_grad_enabled()
+        if in_backward():  # between its pre- and post-backward a module holds its unsharded params, as in FSDP2
+            if self.training_state != TrainingState.PRE_BACKWARD:
+                for u in self.units:
+                    u.set_sharded_attrs()
+            return self._register_pre_backward(output) if grad else output
+        for u in self.units:
+            u.set_sharded_attrs()
+        if grad:
+            self.post_forward_indices.append(len(ctx.post_forward_order))
+            ctx.post_forward_order.append(self)
+        keep = grad and (self.is_root or not self.reshard_after_forward)
+        if not keep:
+            for u in self.units:
+                u.reshard()
+        self.training_state = TrainingState.IDLE
+        if ctx.iter_forward_root is self:
+            ctx.forward_order_done = ctx.forward_order_done or grad
+            ctx.finish_forward()
+        return self._register_pre_backward(output) if grad else output
+
+    def _gather(self):
+        for u in self.units:
+            u.start_unshard()
+        for u in self.units:
+            u.wait_unshard()
+
+    def _set_unsharded_attrs(self):
+        for u in self.units:
+            u.set_unsharded_attrs()
+
+    # ----- backward ---------------------------------------------------------------------------------------
+    def _register_pre_backward(self, output):
+        tensors = [t for t in _tensors(output) if t.requires_grad]
+        if tensors:
+            torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward_hook, mode="any")
+        return output
+
+    def _pre_backward_hook(self, _grad):
+        self.pre_backward()
+
+    def _register_post_backward(self, args, kwargs):
+        if not torch.is_grad_enabled():
+            return args, kwargs
+        flat, spec = tree_flatten((args, kwargs))
+        idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not idx:
+            return args, kwargs
+        outs = _PostBackward.apply(self, *[flat[i] for i in idx])
+        for i, t in zip(idx, outs):
+            flat[i] = t
+        return tree_unflatten(flat, spec)
+
+    def pre_backward(self):
+        if self.training_state == TrainingState.PRE_BACKWARD:
+            return
+        self.training_state = TrainingState.PRE_BACKWARD
+        ctx = self.ctx
+        ctx.queue_final_callback()
+        self._gather()
+        for u in self.units:
+            u.set_unsharded_attrs()  # a recompute that bypasses this module's hooks (checkpoint_wrapper) sees them
+            u.prepare_grads()
+        if self.post_forward_indices:  # prefetch the unit whose backward comes next
+            i = self.post_forward_indices.pop()
+            if i > 0:
+                nxt = ctx.post_forward_order[i - 1]
+                if nxt.training_state != TrainingState.PRE_BACKWARD:
+                    for u in nxt.units:
+                        u.start_unshard()
+
+    def post_backward(self):
+        """Reduce-scatter what this unit's backward produced and reshard. Runs once per use of the module in
+        the forward (a module run twice reduces twice; the results add up in the sharded grads)."""
+        self.training_state = TrainingState.POST_BACKWARD
+        for u in self.units:
+            if u.post_backward_grads():
+                self.ctx.track_reduce(u)
+            u.reshard()
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's forward inputs; its backward runs once the grads of those inputs are computed, i.e.
+    when the unit's backward is done: every rank reaches it at the same point of the same graph."""
+
+    @staticmethod
+    def forward(ctx, state, *inputs):
+        ctx.state = state
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.state.post_backward()
+        return (None, *grads)
+
+
+def _next_in(order: list, item):
+    for i, s in enumerate(order):
+        if s is item:
+            return order[i + 1] if i + 1 < len(order) else None
+    return None
+
+
+def cast_floating(obj, dtype: torch.dtype):
+    """``obj`` (a pytree) with its floating-point tensors cast to ``dtype``, as MixedPrecisionPolicy does."""
+    return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, obj)
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, list | tuple):
+        for o in obj:
+            yield from _tensors(o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from _tensors(o)
+    elif hasattr(obj, "__dataclass_fields__"):
+        for name in obj.__dataclass_fields__:
+            yield from _tensors(getattr(obj, name))
+    elif hasattr(obj, "keys") and hasattr(obj, "__getitem__"):  # transformers' ModelOutput and other mappings
+        for k in obj.keys():
+            yield from _tensors(obj[k])

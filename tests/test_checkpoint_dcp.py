@@ -1,0 +1,376 @@
+"""State dicts of ragged-sharded models speak torch's distributed checkpoint (DCP): ``get_model_state_dict`` /
+``get_optimizer_state_dict`` + ``dcp.save`` / ``dcp.load`` + ``set_*_state_dict`` round-trip exactly at any
+world-size pair, to and from torch FSDP2 and a plain model (issue 16, point 1). Each test here failed on main
+before this change: main's ``state_dict()`` held each rank's flat piece under the param's name, so DCP stored one
+rank's piece as the whole tensor (wrong shapes, lost elements, wrong values after a reload) and a failed full
+load left a half-loaded model."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+from ragged_optim.comm.launch import run_on_ranks
+from ragged_optim.sharding import fully_shard, get_full_state_dict
+from ragged_optim.testing import _set_grads, default_grad
+
+FULL = StateDictOptions(full_state_dict=True)
+
+
+class IssueNet(nn.Module):
+    """The issue's model: Embedding, two Linear/Linear blocks, LayerNorm, a head (sizes drawn by the tests)."""
+
+    def __init__(self, vocab=515, d=48, hidden=136, out=11, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(d, hidden), nn.Linear(hidden, d)) for _ in range(2)])
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, out)
+
+    def forward(self, x):
+        h = self.emb(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(self.norm(h))
+
+
+def ours(model):
+    for b in model.blocks:
+        fully_shard(b)
+    fully_shard(model)
+    return model
+
+
+def fsdp2(model):
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    for b in model.blocks:
+        torch_fully_shard(b)
+    torch_fully_shard(model)
+    return model
+
+
+SHARDERS = {"ours": ours, "fsdp2": fsdp2, "plain": lambda m: m}
+
+
+def full_model(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in get_model_state_dict(model, options=FULL).items()}
+
+
+# ----------------------------------------------------------------------------------------------- model only
+
+
+def save_model(rank, world, path, dims, kind):
+    model = SHARDERS[kind](IssueNet(**dims))
+    dcp.save(get_model_state_dict(model), checkpoint_id=path)
+    full = full_model(model)  # a collective: every rank
+    return full if rank == 0 else None
+
+
+def load_model(rank, world, path, dims, kind):
+    model = SHARDERS[kind](IssueNet(**dims, seed=7))  # other values everywhere
+    sd = get_model_state_dict(model)
+    dcp.load(sd, checkpoint_id=path)
+    set_model_state_dict(model, sd)
+    full = full_model(model)
+    return full if rank == 0 else None
+
+
+def assert_same(got: dict, want: dict):
+    assert sorted(got) == sorted(want)
+    for k in want:
+        assert got[k].shape == want[k].shape, k
+        assert torch.equal(got[k], want[k]), k
+
+
+dims_st = st.fixed_dictionaries(
+    {"vocab": st.integers(3, 70), "d": st.integers(1, 9), "hidden": st.integers(1, 13), "out": st.integers(1, 5)}
+)
+
+
+@settings(
+    max_examples=4,
+    deadline=None,
+    derandomize=True,
+    phases=(Phase.explicit, Phase.generate),
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(w_save=st.integers(1, 4), w_load=st.integers(1, 4), dims=dims_st)
+def test_model_roundtrip_any_world_sizes(tmp_path_factory, w_save, w_load, dims):
+    """ours at w_save -> files -> ours at w_load, and the files as torch.save: full shapes and values, exactly."""
+    path = str(tmp_path_factory.mktemp("m") / "ckpt")
+    want = run_on_ranks(save_model, w_save, path, dims, "ours")[0]
+    assert_same(want, IssueNet(**dims).state_dict())  # the full state dict is the model's
+    dcp_to_torch_save(path, path + ".pt")
+    assert_same(torch.load(path + ".pt"), want)  # names and full shapes in the files, every element
+    assert_same(run_on_ranks(load_model, w_load, path, dims, "ours")[0], want)
+
+
+@pytest.mark.parametrize("src,dst", [("ours", "fsdp2"), ("fsdp2", "ours"), ("ours", "plain"), ("plain", "ours")])
+def test_model_moves_between_ours_fsdp2_and_plain(tmp_path, src, dst):
+    dims = {"vocab": 515, "d": 48, "hidden": 136, "out": 11}
+    path = str(tmp_path / "ckpt")
+    w_src, w_dst = (3 if src != "plain" else 1), (2 if dst != "plain" else 1)
+    want = run_on_ranks(save_model, w_src, path, dims, src)[0]
+    assert_same(run_on_ranks(load_model, w_dst, path, dims, dst)[0], want)
+
+
+# ----------------------------------------------------------------------------------------------- with AdamW
+
+
+def make_opt(model, name):
+    if name == "muon":  # our optimizer at its defaults: momentum_buffer, and exp_avg/exp_avg_sq of its AdamW half
+        from ragged_optim.optim import Muon
+
+        return Muon(model.parameters())
+    return torch.optim.AdamW(model.parameters(), lr=0.01)
+
+
+def train_opt(model, steps, name="adamw"):
+    opt = make_opt(model, name)
+    for step in range(steps):
+        _set_grads(model, step, default_grad)
+        opt.step()
+        opt.zero_grad()
+    return opt
+
+
+def full_optim(model, opt) -> dict:
+    osd = get_optimizer_state_dict(model, opt, options=FULL)
+    return {f"{fqn}.{k}": v.detach().clone() for fqn, st_ in osd["state"].items() for k, v in st_.items()}
+
+
+def save_trained(rank, world, path, kind, name):
+    model = SHARDERS[kind](IssueNet())
+    opt = train_opt(model, 2, name)
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    out = (full_model(model), full_optim(model, opt))
+    return out if rank == 0 else None
+
+
+def load_trained(rank, world, path, kind, name):
+    model = SHARDERS[kind](IssueNet(seed=7))
+    opt = make_opt(model, name)
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    restored = (full_model(model), full_optim(model, opt))
+    # continue: two more steps; the caller compares with a run that never stopped
+    for step in range(2, 4):
+        _set_grads(model, step, default_grad)
+        opt.step()
+        opt.zero_grad()
+    after = full_model(model)
+    return (restored, after) if rank == 0 else None
+
+
+def uninterrupted(rank, world, name):
+    model = IssueNet()
+    train_opt(model, 4, name)
+    return full_model(model)
+
+
+@pytest.mark.parametrize(
+    "src,w_src,dst,w_dst,name",
+    [
+        ("ours", 3, "fsdp2", 2, "adamw"),
+        ("fsdp2", 2, "ours", 4, "adamw"),
+        ("ours", 4, "ours", 3, "adamw"),
+        ("ours", 4, "ours", 3, "muon"),
+        ("ours", 3, "plain", 1, "muon"),
+    ],
+)
+def test_optimizer_state_moves_with_the_model(tmp_path, src, w_src, dst, w_dst, name):
+    """get_state_dict/set_state_dict with torch.optim.AdamW, and with Muon's element-wise state: params and state
+    restored bitwise, and training continues exactly like a one-process run that never stopped (every rank sees the
+    same grads)."""
+    path = str(tmp_path / "ckpt")
+    want_model, want_optim = run_on_ranks(save_trained, w_src, path, src, name)[0]
+    (got_model, got_optim), after = run_on_ranks(load_trained, w_dst, path, dst, name)[0]
+    assert_same(got_model, want_model)
+    assert_same(got_optim, want_optim)
+    assert_same(after, run_on_ranks(uninterrupted, 1, name)[0])
+
+
+# ----------------------------------------------------------------------------------------------- full loads
+
+
+def full_load_checks(rank, world):
+    model = ours(IssueNet())
+    before = full_model(model)
+    bad = IssueNet(seed=3).state_dict()
+    bad["head.weight"] = torch.zeros(12, 48)  # the last param in the model: every other one would load first
+    errors = []
+    try:
+        set_model_state_dict(model, bad, options=FULL)
+    except RuntimeError as e:
+        errors.append(str(e))
+    unchanged = full_model(model)
+    missing = IssueNet(seed=3).state_dict()
+    del missing["norm.bias"]
+    try:
+        model.load_state_dict(missing)
+    except RuntimeError as e:
+        errors.append(str(e))
+    unchanged2 = full_model(model)
+    # torch's set_model_state_dict(full_state_dict=True) keeps a param the caller left out (as with FSDP2)
+    set_model_state_dict(model, missing, options=FULL)
+    partial = full_model(model)
+    good = IssueNet(seed=3).state_dict()
+    set_model_state_dict(model, good, options=FULL)
+    return before, unchanged, unchanged2, partial, full_model(model), good, errors
+
+
+def test_full_state_dict_load_is_all_or_nothing():
+    """set_model_state_dict(full_state_dict=True): a wrong shape raises before any param is written (main overwrote 7
+    of 13 params first); load_state_dict refuses a missing key before writing; a good one loads exactly."""
+    before, unchanged, unchanged2, partial, loaded, good, errors = run_on_ranks(full_load_checks, 3)[0]
+    assert_same(unchanged, before)
+    assert_same(unchanged2, before)
+    assert_same(partial, {**good, "norm.bias": before["norm.bias"]})
+    assert_same(loaded, good)
+    assert "'head.weight' has shape (12, 48) in the state dict but (11, 48)" in errors[0]
+    assert "nothing was loaded" in errors[0]
+    assert "missing keys ['norm.bias']" in errors[1]
+
+
+def local_pieces_refused(rank, world):
+    model = ours(IssueNet())
+    pieces = {n: p.detach().clone() for n, p in model.named_parameters()}  # what main's state_dict() gave
+    try:
+        model.load_state_dict(pieces)
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_flat_local_pieces_are_refused_with_a_hint():
+    msg = run_on_ranks(local_pieces_refused, 2)[0]
+    assert msg is not None and "flat rank-local piece" in msg
+
+
+def ragged_tensor_ops(rank, world):
+    model = ours(IssueNet())
+    sd = model.state_dict()
+    t = sd["emb.weight"]
+    out = {
+        "type": type(t).__name__,
+        "shape": tuple(t.shape),
+        "full": torch.equal(t.full_tensor(), IssueNet().emb.weight),
+    }
+    try:
+        t + 1
+    except RuntimeError as e:
+        out["op"] = str(e)
+    out["aliases"] = t.to_local().data_ptr() == dict(model.named_parameters())["emb.weight"].data_ptr()
+    return out
+
+
+def test_state_dict_entries_are_full_shape_views_of_the_shard():
+    out = run_on_ranks(ragged_tensor_ops, 3)[1]
+    assert out["type"] == "RaggedDTensor" and out["shape"] == (515, 48) and out["full"] and out["aliases"]
+    assert "full_tensor()" in out["op"]
+
+
+# ----------------------------------------------------------------------------------------------- a real model
+
+
+def llama_save(rank, world, path):
+    import dcp_torchrun_job
+
+    from ragged_optim.checkpoint import save_checkpoint
+
+    model = dcp_torchrun_job.tiny_llama(seed=0)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(1))
+    model(input_ids=x, labels=x).loss.backward()
+    opt.step()
+    save_checkpoint(path, model, [opt])
+    full = get_full_state_dict(model)
+    return full if rank == 0 else None
+
+
+def test_llama_checkpoint_loads_into_fsdp2_and_ours_under_torchrun(tmp_path):
+    """A tiny LlamaForCausalLM trained a step and saved by ro.save_checkpoint at 3 ranks loads, under torchrun at 2
+    ranks, into torch FSDP2 with torch's own dcp.load/set_model_state_dict and into ours with ro.load_checkpoint:
+    every tensor equal (main wrote flat 1-D entries that neither could load)."""
+    import socket
+    import subprocess
+    import sys
+
+    import dcp_torchrun_job
+
+    dcp_torchrun_job.tiny_llama(seed=0)  # import transformers once here, not in each forked rank
+    path, out = str(tmp_path / "ckpt"), str(tmp_path / "out.pt")
+    want = run_on_ranks(llama_save, 3, path)[0]
+    job = os.path.join(os.path.dirname(__file__), "dcp_torchrun_job.py")
+    with socket.socket() as sock:  # a free port: other test runs share this machine
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", port]
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(__file__), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([*cmd, job, path, out], env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = torch.load(out)
+    assert_same(got["fsdp2"], want)
+    assert_same(got["ours"], want)
+
+
+# ----------------------------------------------------------------------------------------------- tied weights
+
+
+def tied_model(seed=0):
+    from fsdp_models import make_model
+
+    return make_model(seed=seed, d=5, vocab=31)  # the embedding is tied to the head
+
+
+def save_tied(rank, world, path):
+    from fsdp_models import shard
+
+    model = shard(tied_model(), fully_shard)
+    dcp.save(get_model_state_dict(model), checkpoint_id=path)
+    full = full_model(model)
+    return full if rank == 0 else None
+
+
+def load_tied(rank, world, path, sharded):
+    from fsdp_models import shard
+
+    model = tied_model(seed=4)
+    model = shard(model, fully_shard) if sharded else model
+    sd = get_model_state_dict(model)
+    dcp.load(sd, checkpoint_id=path)
+    set_model_state_dict(model, sd)
+    tied = model.head.weight is model.emb.weight
+    full = full_model(model)
+    return (full, tied) if rank == 0 else None
+
+
+@pytest.mark.parametrize("w_load,sharded", [(3, True), (1, False)])
+def test_tied_weights_roundtrip(tmp_path, w_load, sharded):
+    path = str(tmp_path / "ckpt")
+    want = run_on_ranks(save_tied, 2, path)[0]
+    assert torch.equal(want["emb.weight"], want["head.weight"])
+    got, tied = run_on_ranks(load_tied, w_load, path, sharded)[0]
+    assert tied
+    assert_same(got, want)
