@@ -4,13 +4,21 @@ Every kernel has a plain-torch reference and a Triton implementation; CUDA tenso
 reference (``impl=`` overrides). Triton is imported lazily, so this package imports where Triton cannot run.
 """
 
-from .adamw8bit import adamw8bit_constants, adamw8bit_step, init_adamw8bit_state
+from .adamw8bit import (
+    STATE_FORMAT_VERSION,
+    adamw8bit_constants,
+    adamw8bit_m_bound,
+    adamw8bit_step,
+    init_adamw8bit_state,
+)
 from .blockwise import code_dtype, dequantize_blockwise, num_blocks, quantize_blockwise
 from .qmaps import FORMATS, dynamic_tables
 
 __all__ = [
     "FORMATS",
+    "STATE_FORMAT_VERSION",
     "adamw8bit_constants",
+    "adamw8bit_m_bound",
     "adamw8bit_step",
     "code_dtype",
     "dequantize_blockwise",

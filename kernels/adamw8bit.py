@@ -1,9 +1,16 @@
 """Public fused 8-bit AdamW step with device dispatch (CUDA tensors -> Triton, others -> torch reference).
 
 State layout per param chunk of ``numel`` elements in blocks of ``block_size`` (last block may be short):
-``m_codes``/``v_codes`` uint8 (numel,), ``m_scales``/``v_scales`` fp32 (num_blocks,). First moment in the signed
-dynamic map, second in the unsigned one. Everything is updated in place. A block's result depends only on that
-block's data, so any run of whole blocks can be stepped on its own (sharded == unsharded, bit for bit).
+``m_codes``/``v_codes`` uint8 (numel,), ``m_scales``/``v_scales`` fp32 (num_blocks,). First moment ``m`` in the
+signed dynamic map; the second moment as its square root ``sqrt(v)`` in the unsigned one, whose codes never round a
+positive value to 0. Everything is updated in place. A block's result depends only on that block's data, so any
+run of whole blocks can be stepped on its own (sharded == unsharded, bit for bit).
+
+Why ``sqrt(v)`` (state format version 2; version 1 stored ``v``). An element whose gradient is ~1e-4 of its block's
+largest has ``m`` at ~1e-4 of the block's ``m`` scale but ``v`` at ~1e-8 of ``v``'s: below the unsigned map's
+smallest code (1e-7), so ``v`` decoded to 0 while ``m`` did not and the update was ``lr * m_hat / eps``: hundreds
+of lr. ``sqrt(v)`` spans the same decades as ``m``, so such an element keeps 4-5 significant bits; the zero floor
+of the map covers what is still smaller. The state stays one byte per element and moment.
 """
 
 from __future__ import annotations
@@ -14,6 +21,9 @@ import torch
 
 from .adamw8bit_ref import adamw8bit_ref
 from .blockwise import check_block_size, choose_impl, num_blocks
+
+#: What the 8-bit state means: 2 = ``v`` stored as ``sqrt(v)`` with the zero floor; 1 = ``v`` itself.
+STATE_FORMAT_VERSION = 2
 
 
 def _f32(x: float) -> float:
@@ -31,6 +41,24 @@ def adamw8bit_constants(
     bc2 = 1.0 - beta2**step
     vals = (1.0 - lr * weight_decay, beta1, 1.0 - beta1, beta2, 1.0 - beta2, 1.0 / math.sqrt(bc2), eps, lr / bc1)
     return tuple(_f32(v) for v in vals)
+
+
+def adamw8bit_m_bound(step: int, beta1: float, beta2: float) -> float:
+    """``C_t``: exact Adam from zero state has ``|m_t| <= C_t * sqrt(v_t)`` at step ``t`` (Cauchy-Schwarz on the two
+    moving sums: ``C_t = (1 - b1) * sqrt(sum_{k<t} (b1**2 / b2)**k / (1 - b2))``), as an fp32 value (inf when
+    unbounded). The kernel clamps the updated ``m`` into ``[-C_t r, C_t r]``: a no-op for exact moments, it removes
+    what quantization error adds (an ``m`` rounded up next to an ``r`` rounded down), so the step is at most
+    ``lr * C_t * sqrt(1 - b2**t) / (1 - b1**t)`` (1.0 at t=1, 1.17 later, for betas (0.9, 0.95)), as fp32 AdamW's."""
+    if step < 1:
+        raise ValueError(f"step counts from 1, got {step}")
+    if beta2 == 0.0:
+        return math.inf
+    q = beta1 * beta1 / beta2
+    try:
+        s = float(step) if q == 1.0 else (q**step - 1.0) / (q - 1.0)
+    except OverflowError:
+        return math.inf
+    return _f32((1.0 - beta1) * math.sqrt(s / (1.0 - beta2)))
 
 
 def init_adamw8bit_state(numel: int, block_size: int, device=None) -> dict[str, torch.Tensor]:
@@ -73,7 +101,9 @@ def adamw8bit_step(
 
     ``p`` fp32, ``g`` fp32/bf16/fp16 (same numel), ``step`` is the 1-based step count after this update. Update
     (decoupled weight decay): ``p *= 1 - lr*wd; m = b1*m + (1-b1)*g; v = b2*v + (1-b2)*g*g;
-    p -= lr/(1-b1**t) * m / (sqrt(v)/sqrt(1-b2**t) + eps)``, then both moments are requantized per block."""
+    m = clamp(m, -C_t sqrt(v), C_t sqrt(v))`` (:func:`adamw8bit_m_bound`: a no-op for exact moments);
+    ``p -= lr/(1-b1**t) * m / (sqrt(v)/sqrt(1-b2**t) + eps)``, then ``m`` and ``sqrt(v)`` are requantized per
+    block (``v_codes``/``v_scales`` hold ``sqrt(v)``)."""
     check_block_size(block_size)
     n = p.numel()
     nb = num_blocks(n, block_size)
@@ -94,7 +124,7 @@ def adamw8bit_step(
                 f"{name} must be a contiguous {dt} tensor of {size} elements on {p.device} "
                 f"(block_size={block_size}), got {t.dtype} {tuple(t.shape)} on {t.device}"
             )
-    consts = adamw8bit_constants(step, lr, beta1, beta2, eps, weight_decay)
+    consts = (*adamw8bit_constants(step, lr, beta1, beta2, eps, weight_decay), adamw8bit_m_bound(step, beta1, beta2))
     args = (p.view(-1), g.view(-1), m_codes.view(-1), m_scales, v_codes.view(-1), v_scales, block_size, consts)
     if choose_impl(p, impl) == "triton":
         from .adamw8bit_triton import adamw8bit_triton

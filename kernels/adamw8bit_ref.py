@@ -1,15 +1,19 @@
 """Plain-torch reference of the fused 8-bit AdamW step (any device; the dispatcher sends CPU tensors here).
 
 Per block, in this exact order of fp32 operations (the Triton kernel performs the same ones; every constant is an
-fp32 value computed once on the host by :func:`adamw8bit_constants`):
+fp32 value computed once on the host by :func:`adamw8bit_constants`). The second moment is stored as its square
+root ``r = sqrt(v)`` (see :mod:`ragged_optim.kernels.adamw8bit`):
 
-    m = table_s[m_code] * m_scale             v = table_u[v_code] * v_scale
+    m = table_s[m_code] * m_scale             r = table_u[v_code] * v_scale;  v = r * r
     p = p * decay                             decay = 1 - lr * weight_decay
     m = b1 * m + c1 * g                       c1 = 1 - b1
     v = b2 * v + c2 * (g * g)                 c2 = 1 - b2
-    denom = sqrt(v) * inv_sqrt_bc2 + eps      inv_sqrt_bc2 = 1 / sqrt(1 - b2**step)
+    r = sqrt(v)
+    bound = r * m_bound                       m_bound = C_t of adamw8bit_m_bound (|m| <= C_t sqrt(v) in exact Adam)
+    m = bound if m > bound; -bound if m < -bound; else m
+    denom = r * inv_sqrt_bc2 + eps            inv_sqrt_bc2 = 1 / sqrt(1 - b2**step)
     p = p - step_size * (m / denom)           step_size = lr / (1 - b1**step)
-    m_code, m_scale = quantize(m, "dynamic");  v_code, v_scale = quantize(v, "dynamic_unsigned")
+    m_code, m_scale = quantize(m, "dynamic");  v_code, v_scale = quantize(r, "dynamic_unsigned")
 
 No multiply-add is fused and every division and square root is IEEE round-to-nearest. Note: torch's CPU
 ``sqrt`` on fp32 (AVX2 build, torch 2.13) is *not* correctly rounded (about 1 in 5 results is 1 ulp off), so on CPU
@@ -43,20 +47,24 @@ def adamw8bit_ref(
     block_size: int,
     consts: tuple[float, ...],
 ) -> None:
-    decay, b1, c1, b2, c2, inv_sqrt_bc2, eps, step_size = consts
+    decay, b1, c1, b2, c2, inv_sqrt_bc2, eps, step_size, m_bound = consts
     for e0, b0, rows, n in block_rows(p.numel(), block_size, chunk_elems_for(p.device)):
         e1 = e0 + rows * n
         pb = p[e0:e1].view(rows, n)
         gb = g[e0:e1].view(rows, n).float()
         m = dequantize_rows(m_codes[e0:e1].view(rows, n), m_scales[b0 : b0 + rows], "dynamic")
-        v = dequantize_rows(v_codes[e0:e1].view(rows, n), v_scales[b0 : b0 + rows], "dynamic_unsigned")
+        r = dequantize_rows(v_codes[e0:e1].view(rows, n), v_scales[b0 : b0 + rows], "dynamic_unsigned")
+        v = r.mul_(r)
         pb.mul_(decay)
         m.mul_(b1).add_(gb * c1)
         v.mul_(b2).add_((gb * gb).mul_(c2))
-        denom = ieee_sqrt_(v.clone()).mul_(inv_sqrt_bc2).add_(eps)
+        r = ieee_sqrt_(v)
+        bound = r * m_bound
+        m = torch.where(m > bound, bound, torch.where(m < -bound, -bound, m))
+        denom = (r * inv_sqrt_bc2).add_(eps)
         pb.sub_(torch.div(m, denom).mul_(step_size))
         mc, ms = quantize_rows(m, "dynamic")
-        vc, vs = quantize_rows(v, "dynamic_unsigned")
+        vc, vs = quantize_rows(r, "dynamic_unsigned")
         m_codes[e0:e1].copy_(mc.view(-1))
         m_scales[b0 : b0 + rows].copy_(ms)
         v_codes[e0:e1].copy_(vc.view(-1))

@@ -13,7 +13,7 @@ from .quant_triton import LAUNCH_OPTS, dequantize_tile, quantize_tile, tile_shap
 @triton.jit(do_not_specialize=["numel", "num_blocks", "BS"])
 def _adamw8bit_kernel(p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr,
                       s_vals, s_mids, s_lut, u_vals, u_mids, u_lut,
-                      numel, num_blocks, decay, b1, c1, b2, c2, inv_sqrt_bc2, eps, step_size,
+                      numel, num_blocks, decay, b1, c1, b2, c2, inv_sqrt_bc2, eps, step_size, m_bound,
                       BS, ROWS: tl.constexpr, COLS: tl.constexpr,
                       S_SHIFT: tl.constexpr, S_KEY_LO: tl.constexpr, S_LUT_LEN: tl.constexpr,
                       U_SHIFT: tl.constexpr, U_KEY_LO: tl.constexpr, U_LUT_LEN: tl.constexpr):  # fmt: skip
@@ -28,20 +28,24 @@ def _adamw8bit_kernel(p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr,
         tl.load(mc_ptr + offs, mask=mask, other=0).to(tl.int32), tl.load(ms_ptr + row, mask=rmask, other=0.0),
         s_vals, 1,
     )  # fmt: skip
-    v = dequantize_tile(
+    r = dequantize_tile(
         tl.load(vc_ptr + offs, mask=mask, other=0).to(tl.int32), tl.load(vs_ptr + row, mask=rmask, other=0.0),
         u_vals, 2,
     )  # fmt: skip
+    v = r * r  # the state holds sqrt(v)
     p = p * decay
     m = m * b1 + g * c1
     v = v * b2 + (g * g) * c2
-    denom = tl.sqrt_rn(v) * inv_sqrt_bc2 + eps
+    r = tl.sqrt_rn(v)
+    bound = r * m_bound
+    m = tl.where(m > bound, bound, tl.where(m < -bound, -bound, m))  # |m| <= C_t sqrt(v), as in exact Adam
+    denom = r * inv_sqrt_bc2 + eps
     p = p - tl.math.div_rn(m, denom) * step_size
     tl.store(p_ptr + offs, p, mask=mask)
     mc, ms = quantize_tile(m, mask, s_mids, s_lut, 1, S_SHIFT, S_KEY_LO, S_LUT_LEN)
     tl.store(mc_ptr + offs, mc.to(tl.uint8), mask=mask)
     tl.store(ms_ptr + row, ms, mask=rmask)
-    vc, vs = quantize_tile(v, mask, u_mids, u_lut, 2, U_SHIFT, U_KEY_LO, U_LUT_LEN)
+    vc, vs = quantize_tile(r, mask, u_mids, u_lut, 2, U_SHIFT, U_KEY_LO, U_LUT_LEN)
     tl.store(vc_ptr + offs, vc.to(tl.uint8), mask=mask)
     tl.store(vs_ptr + row, vs, mask=rmask)
 

@@ -15,6 +15,12 @@ map spends the sign bit on one more fraction bit. So the signed map has 127 posi
 negatives and zero (stored twice: +0 and -0); the unsigned map has 255 positive values (1e-7 .. 1.0) and zero.
 Both contain exactly 0 and 1, so a zero block and the block's absmax element round-trip exactly.
 
+Zero floor of the unsigned map: quantizing gives a positive value at least code 1 (the smallest positive value,
+``1e-7 * scale``) even where 0 is nearer, so code 0 means exactly 0. The unsigned map holds the square root of
+Adam's second moment, which the update divides by: a non-zero one that decoded to 0 would turn
+``m / (sqrt(v) + eps)`` into ``m / eps`` (runaway steps of hundreds of lr). The lookup below stays the plain
+nearest code; the floor is one ``max(code, x > 0)`` after it, in the reference and the Triton kernel alike.
+
 Stored codes are indices into the *sorted* table (not the bit patterns above): code ``c`` decodes to ``table[c]``.
 
 Nearest-code lookup: the code of a normalised value ``n`` is the number of table midpoints strictly below ``n``

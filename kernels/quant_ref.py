@@ -44,7 +44,11 @@ def quantize_rows(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor
             return torch.round(y).to(torch.int8), scale
         return y.to(torch.float8_e4m3fn).view(torch.uint8), scale
     divisor = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
-    return nearest_code(x / divisor[:, None], dynamic_tables(fmt, x.device)), absmax
+    codes = nearest_code(x / divisor[:, None], dynamic_tables(fmt, x.device))
+    if fmt == "dynamic_unsigned":
+        # a positive value never gets code 0 (see qmaps: UNSIGNED_FLOOR)
+        codes = torch.maximum(codes, (x > 0).view(torch.uint8))
+    return codes, absmax
 
 
 def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, fmt: str) -> torch.Tensor:

@@ -87,6 +87,8 @@ def quantize_tile(x, mask, mids_ptr, lut_ptr, FMT: tl.constexpr, SHIFT: tl.const
         scale = absmax
         n = tl.math.div_rn(x, tl.where(absmax > 0, absmax, 1.0)[:, None])
         codes = nearest_code(n, mids_ptr, lut_ptr, SHIFT, KEY_LO, LUT_LEN)
+        if FMT == 2:
+            codes = tl.maximum(codes, (x > 0).to(tl.int32))  # a positive value never gets code 0
     return codes, scale
 
 

@@ -97,11 +97,18 @@ def test_unfused_default_maps_equal_fused_kernel(monkeypatch):
 
 @pytest.mark.parametrize(
     "qmaps, bound",
-    [(("int8", "dynamic_unsigned"), 0.1), (("fp8_e4m3", "fp8_e4m3"), 0.1), (("dynamic", "dynamic"), 0.05)],
+    [
+        (("int8", "dynamic_unsigned"), 0.1),
+        (("fp8_e4m3", "fp8_e4m3"), 0.1),
+        (("dynamic", "dynamic"), 0.05),
+        (("int8", "int8"), 0.1),
+    ],
 )
 def test_other_maps_stay_close(qmaps, bound):
     # Measured on seeds 0/1 (K steps, N(0,1) grads): default maps 0.025, dynamic/dynamic 0.027, fp8 0.047,
-    # int8 m 0.057 (docs/adamw8bit.md).
+    # int8 m 0.057 (docs/adamw8bit.md). Linear int8 for the second moment used to be unusable (5-7x fp32 AdamW's
+    # distance: v below absmax/254 rounded to 0); since the state holds sqrt(v), int8/int8 is not (0.03), but
+    # dynamic m with int8 sqrt(v) still is (0.33: int8 has no zero floor, and m keeps small values int8 v drops).
     tensors, grads = make([(64, 130)], K, seed=0)
     ours, opt = run(AdamW8bit, tensors, grads, **HP, qmaps=qmaps)
     ref, _ = run(torch.optim.AdamW, tensors, grads, **HP, foreach=False)
@@ -109,16 +116,6 @@ def test_other_maps_stay_close(qmaps, bound):
     assert rel <= bound
     want = torch.int8 if qmaps[0] == "int8" else torch.uint8
     assert opt.state[ours[0]]["exp_avg_codes"].dtype == want
-
-
-@pytest.mark.parametrize("qmaps", [("int8", "int8"), ("dynamic", "int8")])
-def test_linear_int8_second_moment_is_unusable(qmaps):
-    # Why v is not linear int8: every v below absmax/254 of its block rounds to 0, so those elements step by
-    # ~lr * m / eps. Their params move 5-7x further than fp32 AdamW's in K steps (the GPT run diverges to NaN).
-    tensors, grads = make([(64, 130)], K, seed=0)
-    ours, _ = run(AdamW8bit, tensors, grads, **HP, qmaps=qmaps)
-    ref, _ = run(torch.optim.AdamW, tensors, grads, **HP, foreach=False)
-    assert ((ours[0] - ref[0]).abs().max() / (ref[0] - tensors[0]).abs().max()).item() > 1.0
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))

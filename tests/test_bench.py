@@ -169,6 +169,31 @@ def test_cli_table_and_unknown(monkeypatch, capsys):
     assert main(["bench", "muon"]) == 2
 
 
+def test_peers_cli_json_with_a_missing_peer(monkeypatch, capsys):
+    """`bench peers --json` on the AdamW8bit family, 2 steps, one seed: the required keys, our bounded step, and a
+    peer that cannot be imported as a row with its reason (new with issue 18)."""
+    from ragged_optim.bench import peers
+
+    make = peers._make
+
+    def without_torchao(row, model):
+        if row == "torchao AdamW8bit":
+            raise ImportError("No module named 'torchao'")
+        return make(row, model)
+
+    monkeypatch.setattr(peers, "_make", without_torchao)
+    monkeypatch.setattr(peers, "run", functools.partial(peers.run, seeds=(0,), families=("adamw8bit",)))
+    assert main(["bench", "peers", "--steps", "2", "--json"]) == 0
+    obj = json.loads(capsys.readouterr().out)
+    rows = obj["families"]["adamw8bit"]
+    assert rows["torchao AdamW8bit"]["status"] == "ImportError: No module named 'torchao'"
+    assert rows["ro.AdamW8bit"]["status"] == "ok" and rows["torch.optim.AdamW (fp32)"]["status"] == "ok"
+    assert obj["steps"] == 2 and obj["adamw8bit_max_step_over_lr"] <= 2.0
+    assert 0.9 < obj["adamw8bit_val_loss_ratio_vs_fp32"] < 1.1
+    assert rows["ro.AdamW8bit"]["state_bytes_per_param"] < rows["torch.optim.AdamW (fp32)"]["state_bytes_per_param"]
+    assert "| adamw8bit: torchao AdamW8bit | not run: ImportError" in peers.markdown_table(obj)
+
+
 def test_memory_bench_keys_and_what_it_counts():
     """bench memory at a tiny size: every key, and the persistent bytes before step 2 (shards + AdamW state, grads
     freed by zero_grad) equal FSDP2's up to its padding: the measure sees what is alive, not only what moves."""

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from ragged_optim.kernels import (
     adamw8bit_constants,
+    adamw8bit_m_bound,
     adamw8bit_step,
     dequantize_blockwise,
     init_adamw8bit_state,
@@ -20,8 +21,9 @@ HP = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
 
 
 def _state_from(m: torch.Tensor, v: torch.Tensor, bs: int) -> dict:
+    """The state of moments ``m`` and ``v`` (format 2: the v codes hold sqrt(v))."""
     mc, ms = quantize_blockwise(m, bs, "dynamic")
-    vc, vs = quantize_blockwise(v, bs, "dynamic_unsigned")
+    vc, vs = quantize_blockwise(torch.from_numpy(np.sqrt(v.numpy())), bs, "dynamic_unsigned")
     return {"m_codes": mc, "m_scales": ms, "v_codes": vc, "v_scales": vs}
 
 
@@ -31,8 +33,8 @@ def _step(p, g, s, step, bs, **kw):
 
 def _moments(s, bs, n):
     m = dequantize_blockwise(s["m_codes"], s["m_scales"], bs, "dynamic", n)
-    v = dequantize_blockwise(s["v_codes"], s["v_scales"], bs, "dynamic_unsigned", n)
-    return m, v
+    r = dequantize_blockwise(s["v_codes"], s["v_scales"], bs, "dynamic_unsigned", n)
+    return m, r * r
 
 
 def _rand(n, seed):
@@ -75,6 +77,8 @@ def test_one_step_matches_formula(bs):
     pd = pd * (1 - lr * wd)
     md = b1 * md + (1 - b1) * gd
     vd = b2 * vd + (1 - b2) * gd * gd
+    bound = adamw8bit_m_bound(step, b1, b2) * vd.sqrt()  # |m| <= C_t sqrt(v), as exact Adam's moments are
+    md = torch.minimum(torch.maximum(md, -bound), bound)
     pd = pd - lr * (md / (1 - b1**step)) / ((vd / (1 - b2**step)).sqrt() + eps)
     torch.testing.assert_close(p1.double(), pd, rtol=1e-5, atol=1e-6)
     want = _state_from(md.float(), vd.float(), bs)

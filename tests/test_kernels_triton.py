@@ -52,7 +52,8 @@ if not CUDA and not INTERPRET:
         ints = {"numel": "i32", "num_blocks": "i32", "BS": "i32"}
         sig = {k: "*fp32" for k in ("p_ptr", "g_ptr", "ms_ptr", "vs_ptr", "s_vals", "s_mids", "u_vals", "u_mids")}
         sig.update({k: "*u8" for k in ("mc_ptr", "vc_ptr", "s_lut", "u_lut")}, **ints)
-        sig.update({k: "fp32" for k in ("decay", "b1", "c1", "b2", "c2", "inv_sqrt_bc2", "eps", "step_size")})
+        consts = ("decay", "b1", "c1", "b2", "c2", "inv_sqrt_bc2", "eps", "step_size", "m_bound")
+        sig.update({k: "fp32" for k in consts})
         tables = dict(S_SHIFT=s.shift, S_KEY_LO=s.key_lo, S_LUT_LEN=s.lut.numel())
         tables.update(U_SHIFT=u.shift, U_KEY_LO=u.key_lo, U_LUT_LEN=u.lut.numel())
         ptx = {"adamw8bit": _compile_ptx(_adamw8bit_kernel, sig, dict(ROWS=8, COLS=256, **tables))}
@@ -198,6 +199,26 @@ else:
             adamw8bit_step(p1, g, s1["m_codes"], s1["m_scales"], s1["v_codes"], s1["v_scales"], impl="triton", **kw)
             adamw8bit_step(p2, g, s2["m_codes"], s2["m_scales"], s2["v_codes"], s2["v_scales"], impl="torch", **kw)
             assert torch.equal(p1, p2) and all(torch.equal(s1[k], s2[k]) for k in s1)
+
+    def test_adamw8bit_exact_heavy_tailed_grads():
+        """Grads spanning 1e-8..1 of their block's largest: the sqrt(v) zero floor (code >= 1 for a positive value)
+        runs in both implementations, and zero grads keep code 0."""
+        bs = 64
+        n = 3 * bs * SCALE
+        g_ = torch.Generator().manual_seed(9)
+        p = torch.randn(n, generator=g_).to(DEV)
+        s1 = init_adamw8bit_state(n, bs, DEV)
+        s2 = {k: v.clone() for k, v in s1.items()}
+        p1, p2 = p.clone(), p.clone()
+        for step in (1, 2, 3):
+            mag = 10.0 ** (-8 * torch.rand(n, generator=g_))
+            g = (torch.sign(torch.randn(n, generator=g_)) * mag).to(DEV)
+            g[:: 7 + step] = 0.0
+            kw = dict(step=step, lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, block_size=bs)
+            adamw8bit_step(p1, g, s1["m_codes"], s1["m_scales"], s1["v_codes"], s1["v_scales"], impl="triton", **kw)
+            adamw8bit_step(p2, g, s2["m_codes"], s2["m_scales"], s2["v_codes"], s2["v_scales"], impl="torch", **kw)
+            assert torch.equal(p1, p2) and all(torch.equal(s1[k], s2[k]) for k in s1)
+        assert bool((s1["v_codes"] == 0).sum() > 0) and bool((s1["v_codes"] == 1).sum() > 0)
 
     def test_adamw8bit_exact_bf16_grad_no_wd():
         _adam_both(700 * SCALE, 128, steps=2, seed=1, gdtype=torch.bfloat16, wd=0.0)

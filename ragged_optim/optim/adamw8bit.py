@@ -26,6 +26,7 @@ The three kinds of params (see :mod:`ragged_optim.optim.base`):
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -36,7 +37,9 @@ from torch import Tensor
 from ragged_optim.comm.owner_exchange import BlockRoute, OwnerExchange
 from ragged_optim.kernels import (
     FORMATS,
+    STATE_FORMAT_VERSION,
     adamw8bit_constants,
+    adamw8bit_m_bound,
     adamw8bit_step,
     code_dtype,
     dequantize_blockwise,
@@ -55,6 +58,8 @@ __all__ = ["AdamW8bit", "DEFAULT_QMAPS", "STATE_KEYS_8BIT"]
 
 #: (first moment format, second moment format). Chosen by measured convergence: docs/adamw8bit.md.
 DEFAULT_QMAPS = ("dynamic", "dynamic_unsigned")
+#: 8-bit state formats ``load_state_dict`` reads (1 is converted to the current one, see ``_convert_v_to_sqrt``).
+_STATE_FORMATS = (1, STATE_FORMAT_VERSION)
 #: State entries of an 8-bit param, besides ``step``.
 STATE_KEYS_8BIT = ("exp_avg_codes", "exp_avg_scales", "exp_avg_sq_codes", "exp_avg_sq_scales")
 
@@ -100,6 +105,7 @@ class AdamW8bit(RaggedOptimizer):
             block_size=block_size,
             min_8bit_size=min_8bit_size,
             qmaps=qmaps,
+            state_format=STATE_FORMAT_VERSION,
         )
         self._validate_group(defaults)
         super().__init__(params, defaults)
@@ -134,9 +140,20 @@ class AdamW8bit(RaggedOptimizer):
         lr = check_real("lr", g["lr"], tensor=True)
         if not lr >= 0.0:
             raise ValueError(f"lr must be >= 0, got {lr}")
-        for k in ("eps", "weight_decay"):
-            if not check_real(k, g[k]) >= 0.0:
-                raise ValueError(f"{k} must be >= 0, got {g[k]}")
+        if not check_real("weight_decay", g["weight_decay"]) >= 0.0:
+            raise ValueError(f"weight_decay must be >= 0, got {g['weight_decay']}")
+        if not check_real("eps", g["eps"]) > 0.0:
+            raise ValueError(
+                f"eps must be > 0 for AdamW8bit, got {g['eps']}: an element whose moments are both 0 (a gradient "
+                "that has always been 0, or whose second moment underflowed) would divide 0 by 0 and write NaN "
+                "into the param. Use a small positive eps such as 1e-8"
+            )
+        version = g.get("state_format", STATE_FORMAT_VERSION)
+        if version not in _STATE_FORMATS:
+            raise ValueError(
+                f"state_format={version!r} is not one this version of ragged-optim reads ({_STATE_FORMATS}): a "
+                "state dict saved by a newer ragged-optim? Load it with that version"
+            )
         b1, b2 = g["betas"] = check_reals("betas", g["betas"], "(beta1, beta2)")
         if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
             raise ValueError(f"betas must be in [0, 1), got {g['betas']}")
@@ -152,6 +169,12 @@ class AdamW8bit(RaggedOptimizer):
             raise ValueError(f"qmaps must be (m format, v format) with formats from {FORMATS}, got {qm!r}")
         if qm[0] == "dynamic_unsigned":
             raise ValueError("qmaps[0] (the first moment, signed) cannot be 'dynamic_unsigned'")
+
+    def _group_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
+        # A state dict saved before state_format existed (format 1) lacks it: load_state_dict converts that state.
+        # Not self.defaults: torch's __setstate__ (run by every load) adds "differentiable" there, which our saved
+        # groups never hold, so a second load into the same optimizer was refused.
+        return ("lr", "betas", "eps", "weight_decay", "block_size", "min_8bit_size", "qmaps")
 
     def _state_keys(self, group: dict[str, Any], p: Tensor) -> tuple[str, ...]:
         return ("step", *STATE_KEYS_8BIT) if self._is_8bit(p, group) else ("step", "exp_avg", "exp_avg_sq")
@@ -329,9 +352,11 @@ class AdamW8bit(RaggedOptimizer):
             if codes.get(k):
                 device = local(p).device
                 self.state[p].update({kk: vv.to(device=device).clone() for kk, vv in codes[k].items()})
+        converted = 0
         for group in self.param_groups:
             group["betas"] = tuple(group["betas"])
             group["qmaps"] = tuple(group["qmaps"])
+            version = group.get("state_format", 1)
             for p in group["params"]:
                 state = self.state.get(p)
                 if state and self._is_8bit(p, group):
@@ -339,6 +364,37 @@ class AdamW8bit(RaggedOptimizer):
                         if isinstance(state.get(k), Tensor):
                             state[k] = state[k].to(torch.float32)
                     self._check_8bit_state(p, state, self._state_parts(p, group), group)
+                    if version == 1:
+                        self._convert_v_to_sqrt(p, state, group)
+                        converted += 1
+            group["state_format"] = STATE_FORMAT_VERSION
+        if converted:
+            warnings.warn(
+                f"AdamW8bit.load_state_dict: converted the 8-bit state of {converted} param(s) from state format 1 "
+                f"(second moment v stored as is) to format {STATE_FORMAT_VERSION} (sqrt(v), no positive value "
+                "stored as 0); elements whose v had been stored as 0 with a non-zero first moment m get "
+                "sqrt(v) = |m| (docs/adamw8bit.md, 'State format')",
+                UserWarning,
+                stacklevel=3,
+            )
+
+    def _convert_v_to_sqrt(self, p: Tensor, state: dict, group: dict[str, Any]) -> None:
+        """Format 1 -> current, in place: ``exp_avg_sq`` codes held ``v``; they now hold ``sqrt(v)``. Where format 1
+        had rounded a non-zero ``v`` to 0 (the cause of its runaway steps) the true ``v`` is lost: ``sqrt(v)`` takes
+        ``|m|`` there, the least value fp32 Adam's ``|m| <= ~sqrt(v)`` allows, so the next update is at most ~lr."""
+        bs = group["block_size"]
+        m_fmt, v_fmt = group["qmaps"]
+        n0 = b0 = 0
+        for n, nb in self._state_parts(p, group):
+            codes = state["exp_avg_sq_codes"][n0 : n0 + n]
+            scales = state["exp_avg_sq_scales"][b0 : b0 + nb]
+            m = dequantize_blockwise(
+                state["exp_avg_codes"][n0 : n0 + n], state["exp_avg_scales"][b0 : b0 + nb], bs, m_fmt
+            )
+            r = ieee_sqrt_(dequantize_blockwise(codes, scales, bs, v_fmt).contiguous())
+            r = torch.where((r == 0) & (m != 0), m.abs(), r)
+            quantize_blockwise(r, bs, v_fmt, codes=codes, scales=scales)
+            n0, b0 = n0 + n, b0 + nb
 
     def dequantized_state(self, p: Tensor) -> dict[str, Tensor]:
         """``exp_avg`` and ``exp_avg_sq`` of ``p`` as fp32 tensors of this rank's local elements (flat for 8-bit
@@ -357,6 +413,8 @@ class AdamW8bit(RaggedOptimizer):
                 vals.append(dequantize_blockwise(codes[n0 : n0 + n], scales[b0 : b0 + nb], group["block_size"], fmt))
                 n0, b0 = n0 + n, b0 + nb
             out[key] = vals[0] if len(vals) == 1 else torch.cat(vals)
+        r = out["exp_avg_sq"]
+        out["exp_avg_sq"] = r * r  # stored as sqrt(v): the value the step squares back
         return out
 
     def state_bytes(self) -> dict[str, int]:
@@ -493,6 +551,7 @@ class AdamW8bit(RaggedOptimizer):
             return loss
         cut: dict[int, tuple[Any, list[tuple]]] = {}  # DTensor params' cut blocks, per process group
         for group in self.param_groups:
+            fp32: tuple[list, list, list] = ([], [], [])  # params with fp32 state: one foreach AdamW per group
             for p in group["params"]:
                 grad = self._grad_of(p)
                 if grad is None:
@@ -503,7 +562,9 @@ class AdamW8bit(RaggedOptimizer):
                         pg = process_group(p)
                         cut.setdefault(id(pg), (pg, []))[1].append(item)
                 else:
-                    adamw_group_update_(p, grad, self.state[p], group)
+                    for lst, x in zip(fp32, (p, grad, self.state[p])):
+                        lst.append(x)
+            adamw_group_update_(*fp32, group)
         for pg, items in cut.values():
             self._cut_blocks(pg, items)
         return loss
@@ -579,12 +640,16 @@ def _unfused_step(
     )
     m_fmt, v_fmt = qmaps
     m = dequantize_blockwise(state["exp_avg_codes"], state["exp_avg_scales"], block_size, m_fmt)
-    v = dequantize_blockwise(state["exp_avg_sq_codes"], state["exp_avg_sq_scales"], block_size, v_fmt)
+    r = dequantize_blockwise(state["exp_avg_sq_codes"], state["exp_avg_sq_scales"], block_size, v_fmt)
+    v = r.mul_(r)  # the state holds sqrt(v)
     gf = g.float()
     p.mul_(decay)
     m.mul_(b1).add_(gf * c1)
     v.mul_(b2).add_((gf * gf).mul_(c2))
-    denom = ieee_sqrt_(v.clone()).mul_(inv_sqrt_bc2).add_(eps32)
+    r = ieee_sqrt_(v)
+    bound = r * adamw8bit_m_bound(step, beta1, beta2)
+    m = torch.where(m > bound, bound, torch.where(m < -bound, -bound, m))
+    denom = (r * inv_sqrt_bc2).add_(eps32)
     p.sub_(torch.div(m, denom).mul_(step_size))
     quantize_blockwise(m, block_size, m_fmt, codes=state["exp_avg_codes"], scales=state["exp_avg_scales"])
-    quantize_blockwise(v, block_size, v_fmt, codes=state["exp_avg_sq_codes"], scales=state["exp_avg_sq_scales"])
+    quantize_blockwise(r, block_size, v_fmt, codes=state["exp_avg_sq_codes"], scales=state["exp_avg_sq_scales"])

@@ -13,7 +13,8 @@ A Muon step has three phases, kept apart so that a sharded subclass can replace 
 AdamW params only ever take elementwise steps (:func:`adamw_update_`), so they work on shards unchanged.
 
 Numerics of the Muon params match ``torch.optim.Muon`` (same op sequence; with ``ns_matmul="native"`` bitwise on
-CPU in our tests), and of the AdamW params match ``torch.optim.AdamW`` (single-tensor path, bitwise).
+CPU in our tests), and of the AdamW params match ``torch.optim.AdamW`` (single-tensor path, bitwise), computed with
+foreach ops for all of a group's AdamW params at once (:func:`adamw_foreach_update_`).
 """
 
 from __future__ import annotations
@@ -123,14 +124,60 @@ def adamw_update_(
     p.addcdiv_(exp_avg, denom, value=-step_size)
 
 
-def adamw_group_update_(p: Tensor, grad: Tensor, state: dict, group: dict) -> None:
-    """:func:`adamw_update_` with the hyperparameters of an AdamW param group (``lr``, ``betas``, ``eps``,
-    ``weight_decay``), on this rank's local elements of ``p`` and ``grad``."""
+def adamw_foreach_update_(
+    params: list[Tensor],
+    grads: list[Tensor],
+    states: list[dict],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """:func:`adamw_update_` on many params at once with ``torch._foreach_*`` ops (one multi-tensor kernel per
+    operation on a GPU instead of one kernel per param and operation), grouped by device and dtype.
+
+    Every element goes through the same fp32 operations as :func:`adamw_update_` (torch.optim.AdamW's
+    single-tensor path): lerp, mul + addcmul, sqrt, divide by ``sqrt(1 - beta2**step)``, add eps, addcdiv with
+    ``-lr / (1 - beta1**step)``; the results are bitwise equal (tests/test_muon_plain.py, test_adamw8bit.py). The
+    per-param bias corrections read ``step``, a CPU scalar tensor as in torch: no device sync."""
+    buckets: dict[tuple, list[int]] = {}
+    for k, (p, state) in enumerate(zip(params, states)):
+        if "step" not in state:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        buckets.setdefault((p.device, p.dtype, grads[k].dtype), []).append(k)
+    for idx in buckets.values():
+        ps = [params[k] for k in idx]
+        gs = [grads[k] for k in idx]
+        steps = [states[k]["step"] for k in idx]
+        exp_avgs = [states[k]["exp_avg"] for k in idx]
+        exp_avg_sqs = [states[k]["exp_avg_sq"] for k in idx]
+        torch._foreach_add_(steps, 1)
+        if weight_decay != 0:
+            torch._foreach_mul_(ps, 1 - lr * weight_decay)
+        torch._foreach_lerp_(exp_avgs, gs, 1 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, gs, gs, value=1 - beta2)
+        step_values = [s.item() for s in steps]  # CPU scalars
+        denom = torch._foreach_sqrt(exp_avg_sqs)
+        torch._foreach_div_(denom, [(1 - beta2**s) ** 0.5 for s in step_values])
+        torch._foreach_add_(denom, eps)
+        torch._foreach_addcdiv_(ps, exp_avgs, denom, [-(lr / (1 - beta1**s)) for s in step_values])
+
+
+def adamw_group_update_(params: list[Tensor], grads: list[Tensor], states: list[dict], group: dict) -> None:
+    """:func:`adamw_foreach_update_` with the hyperparameters of an AdamW param group (``lr``, ``betas``, ``eps``,
+    ``weight_decay``), on this rank's local elements of each param and grad."""
+    if not params:
+        return
     beta1, beta2 = group["betas"]
-    adamw_update_(
-        local(p),
-        local(grad),
-        state,
+    adamw_foreach_update_(
+        [local(p) for p in params],
+        [local(g) for g in grads],
+        states,
         lr=scalar(group["lr"]),
         beta1=beta1,
         beta2=beta2,
@@ -518,6 +565,7 @@ class Muon(RaggedOptimizer):
             return loss
         items: list[MuonItem] = []
         for gi, group in enumerate(self.param_groups):
+            adamw: tuple[list, list, list] = ([], [], [])
             for i, p in enumerate(group["params"]):
                 grad = self._grad_of(gi, i, p)
                 if grad is None:
@@ -525,7 +573,9 @@ class Muon(RaggedOptimizer):
                 if group["use_muon"]:
                     items.append(MuonItem(p, self._local_muon_update(local(p), local(grad), group, key=p), group))
                 else:
-                    adamw_group_update_(p, grad, self.state[p], group)
+                    for lst, x in zip(adamw, (p, grad, self.state[p])):
+                        lst.append(x)
+            adamw_group_update_(*adamw, group)
         if items:
             for item, ortho in zip(items, self._orthogonalize_updates(items)):
                 self._apply_muon_update(item, ortho)

@@ -7,10 +7,13 @@
             return loss  # the step is skipped on every rank
         ...
 
-Every step: non-finite gradients. Each rank flags the params whose local gradient holds a NaN or an Inf; one
-``all_reduce(MAX)`` of those flags (over the params' process group; the world when params span several groups, as
-with HSDP) makes every rank see the same flags, so every rank decides the same. The policy is ``opt.nonfinite``
-(set it with :func:`set_nonfinite_policy`):
+Every step: non-finite gradients, decided on the device with one host sync. Each rank takes the largest
+magnitude of every local gradient with one ``torch._foreach_norm(grads, inf)`` per device and dtype (a
+multi-tensor kernel on a GPU: no kernel per param) and reduces those to one flag, ``any(!isfinite(max |g|))``, on
+the device; one ``all_reduce(MAX)`` of that flag (over the params' process group; the world when params span
+several groups, as with HSDP) makes every rank see the same, and reading it (``.item()``) is the step's only host
+sync. Only when it is set, the params are flagged one by one (one more ``all_reduce``) to name them. The policy is
+``opt.nonfinite`` (set it with :func:`set_nonfinite_policy`):
 
 - ``"skip"`` (default): the step is skipped on every rank: no param and no optimizer state changes (so nothing
   non-finite is ever written into them); ``opt.found_nonfinite`` counts skipped steps and a ``RuntimeWarning``
@@ -43,7 +46,14 @@ from torch import Tensor
 from ragged_optim.optim.base import full_shape, is_dtensor, local
 from ragged_optim.sharding import shard_info
 
-__all__ = ["NONFINITE_POLICIES", "REPLACED_ATTR", "guard_step", "nonfinite_params", "set_nonfinite_policy"]
+__all__ = [
+    "NONFINITE_POLICIES",
+    "REPLACED_ATTR",
+    "any_nonfinite",
+    "guard_step",
+    "nonfinite_params",
+    "set_nonfinite_policy",
+]
 
 NONFINITE_POLICIES = ("skip", "raise", "off")
 #: Set by ``fully_shard`` on each param it replaces (the value is the param's name in the sharded module).
@@ -202,6 +212,29 @@ def nonfinite_params(opt, entries=None, group=None) -> list[int]:
     return torch.nonzero(flags).flatten().tolist()
 
 
+def any_nonfinite(opt, entries=None, group=None) -> bool:
+    """Whether some param's gradient holds a NaN/Inf on some rank: one foreach max-magnitude reduction per (device,
+    dtype), the flags combined on the device, one ``all_reduce(MAX)`` when ``group`` is not None, and one host sync
+    (the answer's ``.item()``)."""
+    entries = _params(opt) if entries is None else entries
+    buckets: dict[tuple, list[Tensor]] = {}
+    for _, _, p in entries:
+        g = local(p.grad)
+        if g is not None and g.is_sparse:
+            g = g.coalesce().values()
+        if g is not None and g.numel():
+            buckets.setdefault((g.device, g.dtype), []).append(g)
+    device = _device(entries)
+    bad = torch.zeros(1, dtype=torch.float32, device=device)
+    for grads in buckets.values():
+        # max |g| is finite exactly when every element is (a NaN propagates through the max)
+        peaks = torch.stack(torch._foreach_norm(grads, float("inf")))
+        bad = torch.maximum(bad, (~torch.isfinite(peaks)).any().to(device=device, dtype=torch.float32).reshape(1))
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
+    return bool(bad.item())
+
+
 def guard_step(opt: torch.optim.Optimizer) -> bool:
     """Run the checks of this module for ``opt.step()``; True means: skip this step (on every rank)."""
     entries = _params(opt)
@@ -218,7 +251,9 @@ def guard_step(opt: torch.optim.Optimizer) -> bool:
         return False
     if policy not in NONFINITE_POLICIES:
         raise ValueError(f"{type(opt).__name__}.nonfinite must be one of {NONFINITE_POLICIES}, got {policy!r}")
-    bad = nonfinite_params(opt, entries, group)
+    if not any_nonfinite(opt, entries, group):
+        return False
+    bad = nonfinite_params(opt, entries, group)  # the rare case: name the params (every rank takes it together)
     if not bad:
         return False
     labels = [_label(opt, *entries[k]) for k in bad]

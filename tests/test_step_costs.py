@@ -1,0 +1,78 @@
+"""What a step costs in kernels and host syncs, counted at torch's dispatcher (issue 18): the non-finite check is
+one fused reduction and one host sync whatever the number of params, and the AdamW params of Muon and AdamW8bit
+go through foreach ops. Both failed before: the check ran ``isfinite`` + ``all`` per param (ops grew with the
+number of params), and the AdamW half ran ~10 ops per param."""
+
+from collections import Counter
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ragged_optim.optim import AdamW8bit, Muon
+from ragged_optim.optim.nonfinite import guard_step
+
+SYNC = "aten._local_scalar_dense.default"  # .item() / bool(): a host sync on a GPU tensor
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _counted(fn) -> Counter:
+    with _CountOps() as mode:
+        fn()
+    return mode.ops
+
+
+def _params(n, shape=(10,)):
+    ps = [torch.zeros(*shape, requires_grad=True) for _ in range(n)]
+    for p in ps:
+        p.grad = torch.randn(*shape)
+    return ps
+
+
+def test_nonfinite_check_is_one_reduction_and_one_sync():
+    counts = []
+    for n in (3, 40):
+        opt = AdamW8bit(_params(n), lr=1e-3)
+        guard_step(opt)  # the first step's one-time checks
+        ops = _counted(lambda opt=opt: guard_step(opt))
+        assert ops[SYNC] == 1, ops
+        assert ops["aten._foreach_norm.Scalar"] == 1, ops
+        counts.append(sum(ops.values()))
+    assert counts[0] == counts[1], counts  # no op per param
+
+
+def test_nonfinite_check_still_names_the_param():
+    """A guard (it passed before too): the fast check still leads to the message naming the param."""
+    ps = _params(5)
+    ps[3].grad[2] = float("nan")
+    opt = AdamW8bit(ps, lr=1e-3)
+    opt.nonfinite = "raise"
+    try:
+        opt.step()
+    except FloatingPointError as e:
+        assert "param_groups[0]['params'][3]" in str(e)
+    else:
+        raise AssertionError("a NaN gradient was not reported")
+
+
+def _adamw_half_ops(opt_factory, n) -> int:
+    opt = opt_factory(_params(n))
+    opt.step()  # state created
+    ops = _counted(opt.step)
+    return sum(v for k, v in ops.items() if k != SYNC)  # the per-param step counts are CPU scalars: no device sync
+
+
+def test_adamw_params_take_foreach_ops():
+    """The number of kernels of a step of many small (AdamW) params does not grow with their number."""
+    muon = lambda ps: Muon([{"params": ps, "use_muon": False}], lr=0.02)  # noqa: E731
+    small8 = lambda ps: AdamW8bit(ps, lr=1e-3)  # noqa: E731 (10-element params keep fp32 state)
+    for factory in (muon, small8):
+        assert _adamw_half_ops(factory, 3) == _adamw_half_ops(factory, 30)
