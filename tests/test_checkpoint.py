@@ -125,7 +125,7 @@ def test_reshard_continues_exactly(tmp_path, ref, w_save, w_load):
 
 
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(w_save=st.integers(1, 4), w_load=st.integers(1, 4))
+@given(w_save=st.integers(1, 6), w_load=st.integers(1, 6))
 def test_reshard_hypothesis(tmp_path_factory, ref, w_save, w_load):
     reshard_roundtrip(tmp_path_factory.mktemp("h"), ref, w_save, w_load)
 
@@ -377,7 +377,7 @@ def assert_bitwise(got: dict, want: dict):
     phases=(Phase.explicit, Phase.generate),
     suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
-@given(w_save=st.integers(1, 4), w_load=st.integers(1, 4))
+@given(w_save=st.integers(1, 6), w_load=st.integers(1, 6))
 @example(w_save=4, w_load=3)
 @example(w_save=4, w_load=1)
 def test_default_optimizers_restore_bitwise_and_continue(tmp_path_factory, default_ref, w_save, w_load):

@@ -109,7 +109,7 @@ dims_st = st.fixed_dictionaries(
     phases=(Phase.explicit, Phase.generate),
     suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
-@given(w_save=st.integers(1, 4), w_load=st.integers(1, 4), dims=dims_st)
+@given(w_save=st.integers(1, 6), w_load=st.integers(1, 6), dims=dims_st)
 def test_model_roundtrip_any_world_sizes(tmp_path_factory, w_save, w_load, dims):
     """ours at w_save -> files -> ours at w_load, and the files as torch.save: full shapes and values, exactly."""
     path = str(tmp_path_factory.mktemp("m") / "ckpt")
