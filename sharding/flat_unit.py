@@ -274,7 +274,11 @@ class FlatUnit:
         buffers' dtypes are planned for this dtype), so refuse it while nothing is changed yet."""
         if not self.sharded_params:
             return
-        probe = fn(torch.empty(0, dtype=self.dtype, device="meta"))
+        device = torch.device("cpu") if self.device.type == "meta" else self.device
+        try:  # on an empty tensor: tells a cast from a move without touching any data
+            probe = fn(torch.empty(0, dtype=self.dtype, device=device))
+        except (RuntimeError, NotImplementedError):  # fn cannot run here (e.g. no such device): leave it to _apply
+            return
         if isinstance(probe, torch.Tensor) and probe.dtype != self.dtype:
             raise RuntimeError(
                 f"the module of param {self._label(0)} is being cast to {probe.dtype} after fully_shard, which laid "

@@ -231,3 +231,26 @@ def test_unsharded_grads_are_freed_as_backward_goes():
     and the one whose reduce-scatter is in flight (docs/runtime.md)."""
     most, after, n_units = run_on_ranks(_grad_buffers_alive, 2)[0]
     assert n_units == 7 and most <= 3 and after == 0
+
+
+def _moves_and_casts(rank, world_size):
+    model = shard(make_model(), fully_shard)
+    model.to("cpu")
+    model.cpu()
+    model.float()  # the dtype it has: a no-op
+    try:
+        model.to("cpu", torch.bfloat16)
+        refused = None
+    except RuntimeError as e:
+        refused = str(e)
+    x, y = batch(0)
+    loss_fn(model, local_rows(x, rank, world_size), local_rows(y, rank, world_size)).backward()
+    return refused, [p.dtype for p in model.parameters()], [full_grad(p) is not None for p in model.parameters()]
+
+
+def test_moves_to_the_same_device_are_no_ops_and_casts_are_refused_with_nothing_changed():
+    """.to("cpu"), .cpu() and .float() on a sharded CPU model change nothing and training goes on; a cast combined
+    with a move is refused before any param changed (a probe on an empty meta tensor could not run .to("cpu"))."""
+    refused, dtypes, has_grad = run_on_ranks(_moves_and_casts, 2)[0]
+    assert refused is not None and "is being cast to torch.bfloat16 after fully_shard" in refused
+    assert set(dtypes) == {torch.float32} and all(has_grad)
