@@ -35,7 +35,7 @@ def _optimizer(model, kind: str, side: str):
     if side == "ours":
         from ragged_optim.optim import Muon, muon_param_groups
 
-        return [Muon(muon_param_groups(model), lr=0.02, ns_dtype=torch.float32)]
+        return [Muon(muon_param_groups(model), lr=0.02)]  # bf16 Newton-Schulz, as torch.optim.Muon
     hidden = [p for n, p in model.named_parameters() if p.ndim == 2 and "layers." in n]
     rest = [p for n, p in model.named_parameters() if not (p.ndim == 2 and "layers." in n)]
     return [torch.optim.Muon(hidden, lr=0.02), torch.optim.AdamW(rest, lr=1e-3, weight_decay=0.0)]
