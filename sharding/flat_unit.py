@@ -214,7 +214,7 @@ class FlatUnit:
         return shard
 
     def _gather_master(self) -> list[torch.Tensor]:
-        """Every param's full master value, by one all-gather of the local shard (used by relayout)."""
+        """Every param's full master value, by one all-gather of the local shard (for tests and debugging)."""
         out = torch.empty(self.layout.total_size, dtype=self.dtype, device=self.device)
         all_gather_flat(out, self.local_shard, group=self.group)
         return [self._full_slice(out, i).clone() for i in range(len(self.sharded_params))]
