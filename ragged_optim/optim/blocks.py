@@ -13,6 +13,7 @@ exactly this API. A complete example: docs/custom_optimizer.md.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,9 +23,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ragged_optim.comm.owner_exchange import BlockRoute, OwnerExchange
-from ragged_optim.optim.base import full_shape, local, local_ranges, lock_layouts, process_group, request_block_specs
+from ragged_optim.optim.base import full_shape, local, local_ranges, process_group
 from ragged_optim.sharding import BlockSpec, shard_info
 from ragged_optim.sharding.owner_routes import balanced_owners, blocks_over_ranges, ragged_routes
+from ragged_optim.sharding.planner import assign_owners_jointly
 
 __all__ = [
     "Block",
@@ -101,7 +103,56 @@ def declare_blocks(entries: Sequence[tuple[Tensor, BlockSpec]], *, allow_split: 
                 f"the block spec of a param of shape {tuple(full_shape(p))} must be a ragged_optim.BlockSpec, got "
                 f"{type(spec).__name__}: {spec!r}"
             )
-    request_block_specs(entries, allow_split=allow_split)
+    by_unit: dict[int, tuple] = {}
+    for p, spec in entries:
+        info = shard_info(p)
+        if info is None:
+            continue
+        unit = info.unit
+        by_unit.setdefault(id(unit), (unit, {}))[1][info.index] = spec
+    _check_ranks_agree(list(by_unit.values()), allow_split)
+    groups: dict = {}
+    for unit, specs in by_unit.values():
+        unit.relayout(specs, allow_split=allow_split)
+        groups.setdefault(id(unit.group), []).append(unit)
+    for units in groups.values():  # owners of all units of a group, balanced together (largest matrix first)
+        for unit, layout in zip(units, assign_owners_jointly([u.layout for u in units])):
+            unit.layout = layout
+
+
+def _check_ranks_agree(requests: list[tuple], allow_split: bool) -> None:
+    """A relayout is a collective that a rank skips when its specs change nothing, so ranks that build an optimizer
+    over different params or settings would deadlock or mix layouts. One all_reduce per process group compares a
+    digest of every rank's request first, and all ranks raise together on a mismatch."""
+    by_group: dict[int, tuple] = {}
+    for unit, specs in requests:
+        by_group.setdefault(id(unit.group), (unit.group, unit.device, []))[2].append((unit, specs))
+    for group, device, entries in by_group.values():
+        if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+            continue
+        request = sorted(
+            (tuple(unit.names), sorted((i, s.block, s.period, s.owner_computed) for i, s in specs.items()))
+            for unit, specs in entries
+        )
+        digest = int.from_bytes(hashlib.sha256(repr((request, allow_split)).encode()).digest()[:7], "little")
+        both = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+        if both[0].item() != -both[1].item():
+            n = sum(len(specs) for _, specs in entries)
+            names = [unit.names[i] for unit, specs in entries for i in specs][:3]
+            raise ValueError(
+                f"ranks build this optimizer over different sharded params or settings (this rank: {n} params in "
+                f"{len(entries)} units, e.g. {names}); construct every optimizer on every rank with the same params, "
+                "in the same order, with the same hyperparameters"
+            )
+
+
+def lock_layouts(params) -> None:
+    """From the first step on, optimizer state is shaped by the current layouts: forbid re-planning them."""
+    for p in params:
+        info = shard_info(p)
+        if info is not None:
+            info.unit.layout_locked = True
 
 
 def default_block_cost(spec: BlockSpec, numel: int) -> float:
