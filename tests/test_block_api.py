@@ -263,3 +263,36 @@ def test_block_geometry():
     assert ro.BlockSpec.elements(4, 10).block_shape(8, 10) == (2,)
     # row_len is a view hint: it does not change the layout, so it does not change equality
     assert ro.BlockSpec(15, 35) == ro.BlockSpec.rows(3, (7, 5))
+
+
+def _docs_example():
+    """The MuonLite class from docs/custom_optimizer.md, executed as written."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "custom_optimizer.md").read_text()
+    code = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+    namespace: dict = {}
+    exec(compile(code, "docs/custom_optimizer.md", "exec"), namespace)
+    return namespace["MuonLite"]
+
+
+def test_docs_example_matches_one_process_on_ragged_and_fsdp2():
+    muon_lite = _docs_example()
+
+    def fsdp2(model):
+        from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+        torch_fully_shard(model)
+
+    model_fn = lambda: Mats([(7, 5), (2, 4, 3)], 1)  # noqa: E731
+    for shard_fn in (None, fsdp2):
+        assert_sharded_matches_single(
+            model_fn,
+            lambda m: muon_lite(m.parameters()),
+            world_size=3,
+            steps=2,
+            rtol=1e-5,
+            atol=1e-6,
+            shard_fn=shard_fn,
+        )
