@@ -192,6 +192,12 @@ class _Routing:
             for (entry, j, _, _, pieces), owner in zip(pending, owners):
                 s, e, _ = entry[j]
                 entry[j] = (s, e, BlockRoute(e - s, owner, pieces))
+        # A block its owner holds whole moves no data: the owner computes it in place, as a local block (no copy into
+        # a gather buffer, no result kept for a scatter). Routes are global, so every rank drops the same ones.
+        for p, _ in members:
+            self.routed[id(p)] = [
+                (s, e, r) for s, e, r in self.routed[id(p)] if not (len(r.pieces) == 1 and r.pieces[0][0] == r.owner)
+            ]
         self._exchanges: dict[tuple, tuple] = {}
 
     def exchange(self, params: list[Tensor], n_inputs: int) -> tuple[list[list[int]], OwnerExchange, OwnerExchange]:
@@ -353,7 +359,8 @@ class BlockOptimizer(torch.optim.Optimizer):
                         for j, f in enumerate(flats[k]):
                             pieces[j * n_routes + ri] = f[a - lo : b - lo].to(flats[ks[0]][0].dtype)
             dtype = flats[ks[0]][0].dtype  # the same on every rank, whichever pieces this one holds
-            full = gather_x.gather(pieces, wire_dtype or dtype, dtype=dtype) if n_routes else {}
+            device = flats[ks[0]][0].device
+            full = gather_x.gather(pieces, wire_dtype or dtype, dtype=dtype, device=device) if n_routes else {}
             gathered[key] = (ks, idx, scatter_x, n_routes)
             for k, ris in zip(ks, idx):
                 spec = self._spec_of(params[k])
@@ -392,7 +399,7 @@ class BlockOptimizer(torch.optim.Optimizer):
             if not n_routes:
                 continue
             dtype = out_flat[ks[0]].dtype
-            back = scatter_x.scatter(owned[key], wire_dtype or dtype, dtype=dtype)
+            back = scatter_x.scatter(owned[key], wire_dtype or dtype, dtype=dtype, device=out_flat[ks[0]].device)
             routing = self._routing(by_group[key][0])
             for k, ris in zip(ks, idx):
                 lo, hi = local_range(params[k])
