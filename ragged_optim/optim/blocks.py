@@ -262,6 +262,7 @@ class BlockOptimizer(torch.optim.Optimizer):
             allow_split=self._block_allow_split,
         )
         self.__dict__.pop("_block_routing", None)
+        self.__dict__.pop("_block_specs", None)
 
     def _lock_block_layouts(self) -> None:
         if not self.__dict__.get("_layouts_locked"):
@@ -327,6 +328,7 @@ class BlockOptimizer(torch.optim.Optimizer):
                 + "; give one input (a tensor or a tuple of tensors) per param"
             )
         for p, xs in zip(params, inputs):
+            self._spec_of(p)  # a param without a spec (or not in this optimizer) is refused here, on every rank
             n = local(p).numel()
             if any(t.numel() != n for t in xs):
                 raise ValueError(
