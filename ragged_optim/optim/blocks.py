@@ -314,8 +314,9 @@ class BlockOptimizer(torch.optim.Optimizer):
         per process group for all of them (none when no block needs another rank's data). Returns, per param, a
         tensor shaped like ``local(params[k])`` holding the results: ``out[k]`` when given (results are written
         into it; a result that *is* the block's view of ``out[k]`` is not copied); else ``fn``'s own result when
-        one block is the param's whole local tensor (no copy), or a new tensor in the first input's dtype. ``local_blocks=False``: ``fn``
-        sees only the gathered blocks, and elements of blocks held whole are left as they are in ``out``.
+        one block is the param's whole local tensor (no copy), or a new tensor in the first input's dtype.
+        ``local_blocks=False``: ``fn`` sees only the gathered blocks, and elements of blocks held whole are left as
+        they are in ``out``.
         ``wire_dtype``: the dtype pieces travel in (default: the input's), or ``"int8"`` / ``"fp8_e4m3"``.
 
         A collective for distributed params: every rank of a group calls it with the same ``params``."""
