@@ -164,6 +164,9 @@ def test_world_sizes_agree_exactly(world_size):
 
 
 def test_benchmark_smoke():
+    """The bench's unsharded reference runs in each rank's own process, one thread, on the same full grads, and
+    each band is computed whole by the same ops as ours (test_world_sizes_agree_exactly): nothing reorders the
+    fp32 arithmetic, so the reported gap is 0 by construction and is asserted exactly, not under a tolerance."""
     from ragged_optim.bench.shampoo import run
 
     out = run(2, steps=2, shapes=[(24, 16), (16, 40), (9, 9)], max_preconditioner_dim=8)
@@ -176,7 +179,7 @@ def test_benchmark_smoke():
         "max_rel_diff_vs_unsharded",
     ):
         assert key in out
-    assert out["max_rel_diff_vs_unsharded"] <= 1e-5
+    assert out["max_rel_diff_vs_unsharded"] == 0.0
     assert out["replicated_bytes_per_step"] > out["ours_bytes_per_step"]
 
 
