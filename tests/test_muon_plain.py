@@ -9,11 +9,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from noise_bounds import assert_within_reference
+from ns_reference import ns_noise, torch_muon_ns_in
 from torch import nn
 from torch.optim._muon import _zeropower_via_newtonschulz as torch_ns
 
 from ragged_optim.kernels.newton_schulz import DEFAULT_NS_STEPS, newton_schulz
-from ragged_optim.optim import BF16_NS_REL_TOL, Muon, muon_param_groups
+from ragged_optim.optim import Muon, muon_param_groups
 
 SHAPES = [(24, 8), (8, 24), (16, 16), (16, 16), (1, 12), (12, 1), (33, 17)]  # tall, wide, square x2, 1xN, Nx1
 
@@ -105,13 +107,17 @@ def test_ns_batched_equals_per_matrix(batch, m, n, fp32, seed):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_ns_batched_matmul_option_close(dtype, monkeypatch):
+    """baddbmm sums each product in another order than addmm, so the two can differ by rounding in ``dtype``,
+    amplified by the iterations: bounded by the distance an independent NS in ``dtype`` has from float64 on the same
+    matrices, measured here (tests/ns_reference.py; measured on this CPU: bf16 0 vs 3.7e-2, fp32 1.2e-6 vs 1.4e-6)."""
     G = torch.randn(4, 3, 20, 9, generator=torch.Generator().manual_seed(4))
     sizes = spy_baddbmm(monkeypatch)
     b = newton_schulz(G, dtype=dtype)
     assert sizes == []  # default: one matrix at a time (addmm)
     a = newton_schulz(G, dtype=dtype, batched_matmul=True)
     assert sizes == [12] * (2 * DEFAULT_NS_STEPS)  # two baddbmm per iteration, each over all 4*3 matrices
-    assert rel_diff(a, b) < (BF16_NS_REL_TOL if dtype == torch.bfloat16 else 1e-5)
+    noise = ns_noise(list(G.reshape(-1, 20, 9)), dtype)
+    assert_within_reference(rel_diff(a, b), noise, 1.0, f"batched vs per-matrix NS in {dtype}")
 
 
 def test_ns_orthogonalizes():
@@ -144,26 +150,41 @@ def test_matches_torch_muon(nesterov, weight_decay, adjust_lr, capsys):
         assert torch.equal(ours.state[p]["momentum_buffer"], theirs.state[q]["momentum_buffer"])
 
 
-def test_fp32_ns_close_to_torch_and_bf16_tolerance(capsys):
-    """ns_dtype=float32 (torch has no such option) vs torch's bf16: the measured gap is the bf16 NS tolerance."""
-    ps = make_params(SHAPES + [(64, 32)])
+def displacement_gap(ps, qs, p0) -> float:
+    """max over params of max|p - q| / max|q - p0|: a gap relative to how far the steps moved the params."""
+    return max(((p - q).abs().max() / (q - x).abs().max()).item() for p, q, x in zip(ps, qs, p0))
+
+
+def test_fp32_ns_tracks_float64_muon_and_bf16_gap(capsys):
+    """ns_dtype=float32 (torch has no such option) against torch.optim.Muon with its iteration in float64
+    (tests/ns_reference.py): the gap is fp32 rounding inside NS, bounded by the gap torch.optim.Muon with the same
+    iteration in float32 has from the float64 one in the same run. bf16 with native matmuls is torch's Muon bit for
+    bit. The bf16-vs-fp32 gaps (one update; params after 10 steps) are printed: BF16_NS_REL_TOL documents them."""
+    shapes = SHAPES + [(64, 32)]
+    ps = make_params(shapes)
     p0 = [p.detach().clone() for p in ps]
-    qs, rs = clone_params(ps), clone_params(ps)
-    fp32 = Muon(ps, ns_dtype=torch.float32, weight_decay=0.01)
-    bf16 = Muon(rs, weight_decay=0.01, ns_matmul="native")
-    ref = torch.optim.Muon(qs, lr=0.02, weight_decay=0.01)
+    qs, rs, xs, ys = (clone_params(ps) for _ in range(4))
+    kw = dict(lr=0.02, weight_decay=0.01)
+    fp32 = Muon(ps, ns_dtype=torch.float32, **kw)
+    bf16 = Muon(rs, ns_matmul="native", **kw)
+    ref = torch.optim.Muon(qs, **kw)
     run_steps([fp32, bf16, ref], [ps, qs, rs], steps=10)
+    with torch_muon_ns_in(torch.float64):
+        run_steps([torch.optim.Muon(xs, **kw)], [xs], steps=10)
+    with torch_muon_ns_in(torch.float32):
+        run_steps([torch.optim.Muon(ys, **kw)], [ys], steps=10)
     for r, q in zip(rs, qs):
         assert torch.equal(r, q)
-    worst = max(((p - q).abs().max() / (p - x).abs().max()).item() for p, q, x in zip(ps, qs, p0))
+    assert_within_reference(
+        displacement_gap(ps, xs, p0), displacement_gap(ys, xs, p0), 1.0, "fp32-NS Muon vs float64-NS torch Muon"
+    )
+    worst = displacement_gap(ps, qs, p0)
     one = max(
         rel_diff(newton_schulz(G, dtype=torch.bfloat16, matmul="native"), newton_schulz(G, dtype=torch.float32))
         for G in (torch.randn(s, generator=torch.Generator().manual_seed(7)) for s in SHAPES + [(256, 512)])
     )
     with capsys.disabled():
         print(f"\n[bf16 vs fp32 NS] one update: {one:.3g}; params after 10 steps (rel. to displacement): {worst:.3g}")
-    assert 1e-4 < one < BF16_NS_REL_TOL
-    assert worst < BF16_NS_REL_TOL
 
 
 def test_stack_equals_each_matrix_and_conv_equals_flattened():
@@ -415,6 +436,7 @@ def test_seam_one_orthogonalize_call_per_step_and_batched_matmul_option(batched,
 
     ps = make_params(SHAPES)
     qs = clone_params(ps)
+    qs0 = clone_params(ps)
     groups = [{"params": ps[:3], "use_muon": True}, {"params": ps[3:], "use_muon": True, "lr": 0.02}]
     ours = Recording(groups, ns_matmul="native")
     theirs = torch.optim.Muon(qs, lr=0.02, weight_decay=0.0)
@@ -426,4 +448,14 @@ def test_seam_one_orthogonalize_call_per_step_and_batched_matmul_option(batched,
     worst = max(rel_diff(p, q) for p, q in zip(ps, qs))
     with capsys.disabled():
         print(f"\n[muon vs torch, ns_batched_matmul={batched}] max rel diff {worst:.3g}")
-    assert worst < 1e-3
+    if not batched:  # the same op sequence as torch's, matrix by matrix
+        assert all(torch.equal(p, q) for p, q in zip(ps, qs))
+        return
+    # baddbmm sums in another order than torch's addmm: bf16 rounding noise, bounded by the distance torch's own
+    # bf16 Muon has from the same Muon with float64 Newton-Schulz, same grads, measured here (both relative to how
+    # far the params moved: relative to the params themselves, even a wrong NS coefficient would hide)
+    xs = clone_params(qs0)
+    with torch_muon_ns_in(torch.float64):
+        run_steps([torch.optim.Muon(xs, lr=0.02, weight_decay=0.0)], [xs], steps=3)
+    noise = displacement_gap(qs, xs, qs0)
+    assert_within_reference(displacement_gap(ps, qs, qs0), noise, 1.0, "batched-matmul Muon vs torch.optim.Muon")
