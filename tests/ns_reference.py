@@ -44,6 +44,12 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp(min=1e-30)).item()
 
 
+def displacement_gap(ps, qs, p0) -> float:
+    """max over params of max|p - q| / max|q - p0|: a gap relative to how far the steps moved the params (relative
+    to the params themselves, a wrong NS coefficient would hide under their magnitude)."""
+    return max(((p - q).abs().max() / (q - x).abs().max()).item() for p, q, x in zip(ps, qs, p0))
+
+
 def ns_noise(mats, dtype: torch.dtype) -> float:
     """The largest distance, relative to the largest entry, of an independent ``dtype`` Newton-Schulz from the
     float64 one over the 2-D matrices ``mats``: torch's own iteration for bf16, :func:`ns_in` otherwise."""

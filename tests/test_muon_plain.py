@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from noise_bounds import assert_within_reference
-from ns_reference import ns_noise, torch_muon_ns_in
+from ns_reference import displacement_gap, ns_noise, torch_muon_ns_in
 from torch import nn
 from torch.optim._muon import _zeropower_via_newtonschulz as torch_ns
 
@@ -148,11 +148,6 @@ def test_matches_torch_muon(nesterov, weight_decay, adjust_lr, capsys):
         assert torch.equal(p, q), (tuple(p.shape), rel_diff(p, q))
     for p, q in zip(ps, qs):
         assert torch.equal(ours.state[p]["momentum_buffer"], theirs.state[q]["momentum_buffer"])
-
-
-def displacement_gap(ps, qs, p0) -> float:
-    """max over params of max|p - q| / max|q - p0|: a gap relative to how far the steps moved the params."""
-    return max(((p - q).abs().max() / (q - x).abs().max()).item() for p, q, x in zip(ps, qs, p0))
 
 
 def test_fp32_ns_tracks_float64_muon_and_bf16_gap(capsys):
