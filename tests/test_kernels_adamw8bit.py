@@ -7,6 +7,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from noise_bounds import FACTOR, ULPS, assert_within_reference
 
 from ragged_optim.kernels import (
     adamw8bit_constants,
@@ -59,10 +60,26 @@ def test_constants_are_fp32_values():
         adamw8bit_constants(0, 1e-3, 0.9, 0.999, 1e-8, 0.0)
 
 
+def _formula(p, g, m, v, step, dtype):
+    """One step of the brief's formula from moments ``m``, ``v``, every op in ``dtype``: ``(p, m, v)`` after it."""
+    lr, b1, b2, eps, wd = HP["lr"], HP["beta1"], HP["beta2"], HP["eps"], HP["weight_decay"]
+    p, g, m, v = (t.to(dtype) for t in (p, g, m, v))
+    p = p * (1 - lr * wd)
+    m = b1 * m + (1 - b1) * g
+    v = b2 * v + (1 - b2) * g * g
+    bound = adamw8bit_m_bound(step, b1, b2) * v.sqrt()  # |m| <= C_t sqrt(v), as exact Adam's moments are
+    m = torch.minimum(torch.maximum(m, -bound), bound)
+    p = p - lr * (m / (1 - b1**step)) / ((v / (1 - b2**step)).sqrt() + eps)
+    return p, m, v
+
+
 @pytest.mark.parametrize("bs", [64, 256, 100])
 def test_one_step_matches_formula(bs):
-    """From the dequantized state, one step equals the brief's formula in float64 (to fp32 rounding), and the new
-    state is the quantization of the exact new moments."""
+    """From the dequantized state, one step equals the brief's formula in float64, up to fp32 rounding; the new
+    state is the quantization of the exact new moments, up to codes that fp32 rounding moves across a midpoint.
+    How much fp32 rounding moves things depends on how the CPU evaluates the ops (fused multiply-adds, vector
+    reciprocals): each gap is bounded by FACTOR x the same formula's gap when written out in float32 torch ops,
+    measured here (plus ULPS ulps; and ULPS codes, as a float32 reference may happen to flip none)."""
     n = 5 * bs + 17
     p, g = _rand(n, bs)
     m0, v0 = _rand(n, bs + 1)
@@ -72,21 +89,19 @@ def test_one_step_matches_formula(bs):
     p1 = p.clone()
     step = 4
     _step(p1, g, s, step, bs, **HP)
-    lr, b1, b2, eps, wd = HP["lr"], HP["beta1"], HP["beta2"], HP["eps"], HP["weight_decay"]
-    pd, gd, md, vd = p.double(), g.double(), m0q.double(), v0q.double()
-    pd = pd * (1 - lr * wd)
-    md = b1 * md + (1 - b1) * gd
-    vd = b2 * vd + (1 - b2) * gd * gd
-    bound = adamw8bit_m_bound(step, b1, b2) * vd.sqrt()  # |m| <= C_t sqrt(v), as exact Adam's moments are
-    md = torch.minimum(torch.maximum(md, -bound), bound)
-    pd = pd - lr * (md / (1 - b1**step)) / ((vd / (1 - b2**step)).sqrt() + eps)
-    torch.testing.assert_close(p1.double(), pd, rtol=1e-5, atol=1e-6)
-    want = _state_from(md.float(), vd.float(), bs)
-    # the kernel's fp32 moments differ from the float64 ones by a few ulps, which can flip a code at a midpoint
+    pd, md, vd = _formula(p, g, m0q, v0q, step, torch.float64)
+    pf, mf, vf = _formula(p, g, m0q, v0q, step, torch.float32)
+    scale = pd.abs().max().item()
+    ref_gap = (pf.double() - pd).abs().max().item()
+    assert_within_reference((p1.double() - pd).abs().max().item(), ref_gap, scale, "8-bit kernel vs float64 step")
+    want, want32 = _state_from(md.float(), vd.float(), bs), _state_from(mf, vf, bs)
     for k in ("m_codes", "v_codes"):
-        assert (s[k] != want[k]).float().mean() < 1e-2
-    torch.testing.assert_close(s["m_scales"], want["m_scales"], rtol=1e-5, atol=0)
-    torch.testing.assert_close(s["v_scales"], want["v_scales"], rtol=1e-5, atol=0)
+        flips, ref_flips = int((s[k] != want[k]).sum()), int((want32[k] != want[k]).sum())
+        assert flips <= FACTOR * ref_flips + ULPS, (k, flips, ref_flips)
+    for k in ("m_scales", "v_scales"):
+        ref = (want32[k] - want[k]).abs().max().item()
+        gap = (s[k] - want[k]).abs().max().item()
+        assert_within_reference(gap, ref, want[k].abs().max().item(), f"{k} vs the float64 moments' scales")
 
 
 def test_tracks_fp32_adamw():
