@@ -11,6 +11,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from noise_bounds import assert_within_reference
 
 from ragged_optim.comm.launch import run_on_ranks
 from ragged_optim.kernels import matrix_root
@@ -167,19 +168,24 @@ def test_before_start_only_the_grafted_method_steps():
     gen = torch.Generator().manual_seed(3)
     p = torch.randn(6, 6, generator=gen, requires_grad=True)
     q = p.detach().clone().requires_grad_()
+    q64 = p.detach().double().requires_grad_()
     opt = Shampoo([p], lr=0.01, betas=(0.0, 1.0), precondition_frequency=3, start_preconditioning_step=3)
     adam = torch.optim.Adam([q], lr=0.01, betas=(0.0, 0.999), eps=1e-10)
+    adam64 = torch.optim.Adam([q64], lr=0.01, betas=(0.0, 0.999), eps=1e-10)
     for _ in range(2):
         g = torch.randn(6, 6, generator=gen)
-        p.grad, q.grad = g.clone(), g.clone()
+        p.grad, q.grad, q64.grad = g.clone(), g.clone(), g.double()
         opt.step()
         adam.step()
-    assert rel(p.detach(), q.detach()) <= 1e-6
+        adam64.step()
+    # the same math in other fp32 ops (bias corrections folded otherwise): within FACTOR x torch's own float32 gap
+    # from its float64 run, measured here (on this CPU: 9e-9 vs 4e-8)
+    assert_within_reference(rel(p.detach(), q.detach()), rel(q.detach(), q64.detach()), 1.0, "Adam grafting")
     g = torch.randn(6, 6, generator=gen)
     p.grad, q.grad = g.clone(), g.clone()
     opt.step()
     adam.step()
-    assert rel(p.detach(), q.detach()) > 1e-6  # now preconditioned
+    assert rel(p.detach(), q.detach()) > 1e-3  # now preconditioned
 
 
 def test_vector_params_take_grafted_method_or_diagonal():
@@ -194,7 +200,9 @@ def test_vector_params_take_grafted_method_or_diagonal():
     opt = Shampoo([p], lr=1.0, betas=(0.0, 1.0), grafting=None, epsilon=1e-6)
     p.grad = g.clone()
     opt.step()
-    assert rel(p.detach(), -g / (g * g + 1e-6).sqrt()) <= 1e-6
+    # float32 round-off of the same formula: within FACTOR x its own float32 gap from float64, measured here
+    expect, expect32 = (-x / (x * x + 1e-6).sqrt() for x in (g.double(), g))
+    assert_within_reference(rel(p.detach(), expect), rel(expect32, expect), 1.0, "diagonal Shampoo")
 
 
 def test_state_dict_round_trip():
