@@ -58,6 +58,7 @@ import torch
 from torch import Tensor
 
 from ragged_optim.optim.base import full_shape, is_dtensor, local, scalar
+from ragged_optim.optim.blocks import all_reduce_over_shards
 from ragged_optim.optim.optimizer import RaggedOptimizer, check_bool, check_real, check_reals
 from ragged_optim.optim.shampoo import matrix_view_shape, shampoo_band_spec
 
@@ -123,6 +124,14 @@ def new_band_state(g: Tensor, B: int, shampoo_beta: float) -> dict[str, Tensor]:
             q = eigenbasis(st[side])
             st["Q_" + side] = q if q is not None else torch.eye(len(st[side]), dtype=g.dtype, device=g.device)
     return st
+
+
+def _band_shapes(rows: int, cols: int, B: int) -> dict[str, tuple[int, int]]:
+    """The state tensors of a band and their shapes."""
+    out = {"L": (rows, rows), "Q_L": (rows, rows), "exp_avg": (rows, cols), "exp_avg_sq": (rows, cols)}
+    if cols <= B:
+        out.update(R=(cols, cols), Q_R=(cols, cols))
+    return out
 
 
 def _accumulate(g: Tensor, st: dict, shampoo_beta: float) -> None:
@@ -291,6 +300,35 @@ class SOAP(RaggedOptimizer):
     def _state_keys(self, group: dict[str, Any], p: Tensor) -> tuple[str, ...]:
         return ("step",)
 
+    def _check_state_dict(self, state_dict: Any) -> None:
+        """Also: every saved band has the tensors and shapes of this param's band under the saved
+        ``max_preconditioner_dim`` (a band of another layout would fail deep inside ``step``, or silently mix)."""
+        super()._check_state_dict(state_dict)
+        saved = state_dict["param_groups"]
+        ids = [(g, i) for g in saved for i in g["params"]]
+        ours = [(gi, i, p) for gi, g in enumerate(self.param_groups) for i, p in enumerate(g["params"])]
+        for (g, key), (gi, i, p) in zip(ids, ours):
+            bands = (state_dict["state"].get(key) or {}).get("bands")
+            if bands is None:
+                continue
+            B = g["max_preconditioner_dim"]
+            where = f"SOAP.load_state_dict: the saved state of {self._param_label(gi, i)}"
+            if len(full_shape(p)) < 2 or not isinstance(bands, dict):
+                raise ValueError(f"{where} has bands, but the param is not a matrix: saved for another model?")
+            d0, cols, rows = band_geometry(full_shape(p), B)
+            for k, band in bands.items():
+                if not (isinstance(k, int) and 0 <= k * rows < d0):
+                    raise ValueError(f"{where} has band {k!r}, but the param has {-(-d0 // rows)} bands of {rows} rows")
+                want = _band_shapes(min(rows, d0 - k * rows), cols, B)
+                for name in sorted(set(want) | set(band)):
+                    got = tuple(band[name].shape) if isinstance(band.get(name), Tensor) else band.get(name)
+                    if got != want.get(name):
+                        raise ValueError(
+                            f"{where}: band {k} entry {name!r} has shape {got}, expected {want.get(name)} with "
+                            f"max_preconditioner_dim={B}: saved with another max_preconditioner_dim or for another "
+                            "param?"
+                        )
+
     def _check_params(self, gi: int, group: dict[str, Any]) -> None:
         for i, p in enumerate(group["params"]):
             if is_dtensor(p):
@@ -337,6 +375,16 @@ class SOAP(RaggedOptimizer):
             return None
         return shampoo_band_spec(full_shape(p), group["max_preconditioner_dim"])
 
+    def block_cost(self, p: Tensor, spec, numel: int) -> float:
+        """Per step, the rotations and factor products of a band: ``numel * (rows + cols)`` (``cols`` only when the
+        columns are preconditioned), to balance the owners of cut bands."""
+        B = self.param_groups[0]["max_preconditioner_dim"]
+        for g in self.param_groups:
+            if any(q is p for q in g["params"]):
+                B = g["max_preconditioner_dim"]
+        _, cols, _ = band_geometry(full_shape(p), B)
+        return float(numel) * (numel // cols + (cols if cols <= B else 0))
+
     def _band_direction(self, p: Tensor, k: int, g: Tensor, group: dict, label: str) -> Tensor:
         """Band ``k`` of ``p``: its state is created from the first gradient (direction 0), else one SOAP step."""
         B = group["max_preconditioner_dim"]
@@ -363,18 +411,22 @@ class SOAP(RaggedOptimizer):
     # ------------------------------------------------------------------ step
 
     def _matrix_directions(self, items: list[tuple]) -> list[Tensor]:
-        """Per item ``(p, grad_local, group, label)``: the direction of p's local elements (one process: every
-        band is local)."""
-        out = []
-        for p, grad, group, label in items:
-            _, cols, rows = band_geometry(full_shape(p), group["max_preconditioner_dim"])
-            per = rows * cols
-            flat = grad.reshape(-1)
-            u = torch.empty(flat.numel(), dtype=compute_dtype(p.dtype), device=flat.device)
-            for k, s in enumerate(range(0, flat.numel(), per)):
-                u[s : s + per] = self._band_direction(p, k, flat[s : s + per], group, label)
-            out.append(u)
-        return out
+        """Per item ``(p, grad_local, group, label)``: the direction of p's local elements, in the compute dtype,
+        through the block API: bands this rank holds whole are computed in place; cut bands are gathered to their
+        owner, computed there and scattered back (one all_to_all each way per process group and compute dtype)."""
+        info = {id(p): (group, label) for p, _, group, label in items}
+
+        def compute(blocks):
+            return [self._band_direction(b.param, b.index, b.value, *info[id(b.param)]) for b in blocks]
+
+        out: list[Tensor | None] = [None] * len(items)
+        for dtype in sorted({compute_dtype(p.dtype) for p, *_ in items}, key=str):  # the same order on every rank
+            ks = [k for k, (p, *_) in enumerate(items) if compute_dtype(p.dtype) == dtype]
+            grads = [items[k][1].to(dtype) for k in ks]  # pieces of cut bands travel in the compute dtype
+            res = self.map_blocks(compute, [items[k][0] for k in ks], grads, out=[torch.zeros_like(g) for g in grads])
+            for k, r in zip(ks, res):
+                out[k] = r
+        return out  # type: ignore[return-value]
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
@@ -411,8 +463,9 @@ class SOAP(RaggedOptimizer):
             state["exp_avg_sq"] = torch.zeros_like(g)
             return None
         n = adam_direction(g, state, group)
-        if group["normalize_grads"]:
-            n = n / (1e-30 + n.square().mean().sqrt())
+        if group["normalize_grads"]:  # the param's root mean square, over all of its shards
+            sq = all_reduce_over_shards(n.square().sum().reshape(1), p)
+            n = n / (1e-30 + (sq / math.prod(full_shape(p))).sqrt())
         return n
 
     def _apply(self, p: Tensor, n: Tensor | None, group: dict) -> None:
