@@ -1,4 +1,4 @@
-"""ragged-optim: Muon, Shampoo and 8-bit AdamW on a RaggedShard FSDP layer.
+"""ragged-optim: Muon, Shampoo, SOAP and 8-bit AdamW on a RaggedShard FSDP layer.
 
 import ragged_optim as ro
 for block in model.layers:
