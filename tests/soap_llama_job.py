@@ -1,6 +1,7 @@
-"""Run by tests/test_soap.py under torchrun (not a test itself): a tiny transformers LlamaForCausalLM trained a few
-steps with ro.SOAP, ragged-sharded (ro.fully_shard) and torch FSDP2 (DTensor params), every rank on the same
-batches; rank 0 saves both models' full state dicts to argv[1]."""
+"""A tiny transformers LlamaForCausalLM trained a few steps with ro.SOAP, ragged-sharded (ro.fully_shard) and torch
+FSDP2 (DTensor params), every rank on the same batches (not a test itself). tests/test_soap.py calls
+``sharded_runs`` on forked ranks; ``torchrun --nproc-per-node 2 tests/soap_llama_job.py OUT`` runs the same
+under torchrun, and rank 0 saves both models' full state dicts to OUT."""
 
 import sys
 
@@ -36,8 +37,8 @@ def train(model):
     return opt
 
 
-def main(out):
-    dist.init_process_group("gloo")
+def sharded_runs() -> dict:
+    """On every rank of an initialised gloo group: the ragged-sharded and the FSDP2 run's full state dicts."""
     ours = tiny_llama()
     for layer in ours.model.layers:
         ro.fully_shard(layer)
@@ -50,8 +51,14 @@ def main(out):
     torch_fully_shard(fsdp)
     train(fsdp)
     fsdp_full = get_model_state_dict(fsdp, options=StateDictOptions(full_state_dict=True))
+    return {"ours": ours_full, "fsdp2": fsdp_full}
+
+
+def main(out):
+    dist.init_process_group("gloo")
+    runs = sharded_runs()
     if dist.get_rank() == 0:
-        torch.save({"ours": ours_full, "fsdp2": fsdp_full}, out)
+        torch.save(runs, out)
     dist.destroy_process_group()
 
 
