@@ -285,6 +285,21 @@ def test_eigh_failure_retries_in_float64_then_keeps_identity(monkeypatch):
     assert torch.equal(opt2.state[p2]["bands"][0]["Q_L"], torch.eye(3))
 
 
+def test_nonfinite_grad_skips_the_step_and_changes_no_state():
+    p = torch.randn(4, 5, requires_grad=True)
+    opt = SOAP([p], precondition_frequency=1)
+    for _ in range(2):
+        p.grad = torch.randn(4, 5)
+        opt.step()
+    before = copy.deepcopy(opt.state_dict()), p.detach().clone()
+    p.grad = torch.full((4, 5), float("nan"))
+    with pytest.warns(RuntimeWarning, match="non-finite"):
+        opt.step()
+    after = opt.state_dict()
+    assert torch.equal(p, before[1]) and after["state"][0]["step"] == before[0]["state"][0]["step"]
+    assert all(torch.equal(t, before[0]["state"][0]["bands"][0][k]) for k, t in after["state"][0]["bands"][0].items())
+
+
 # ----------------------------------------------------------------------------------------------- errors
 
 

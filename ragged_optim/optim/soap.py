@@ -377,11 +377,8 @@ class SOAP(RaggedOptimizer):
 
     def block_cost(self, p: Tensor, spec, numel: int) -> float:
         """Per step, the rotations and factor products of a band: ``numel * (rows + cols)`` (``cols`` only when the
-        columns are preconditioned), to balance the owners of cut bands."""
-        B = self.param_groups[0]["max_preconditioner_dim"]
-        for g in self.param_groups:
-            if any(q is p for q in g["params"]):
-                B = g["max_preconditioner_dim"]
+        columns are rotated), to balance the owners of cut bands."""
+        B = next(g["max_preconditioner_dim"] for g in self.param_groups if any(q is p for q in g["params"]))
         _, cols, _ = band_geometry(full_shape(p), B)
         return float(numel) * (numel // cols + (cols if cols <= B else 0))
 
