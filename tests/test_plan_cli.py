@@ -207,3 +207,20 @@ def test_plan_model_is_the_cli_in_python(capsys):
         plan_cmd.plan_model("llama3-8b", 8, optimizer="sgd")
     with pytest.raises(ValueError, match="model must be a catalog model name"):
         plan_cmd.plan_model(42, 8)
+
+
+@pytest.mark.filterwarnings("ignore:enable_nested_tensor")
+def test_plan_model_takes_a_module(capsys):
+    """An nn.Module built on meta plans as `--module pkg.mod:factory` does (the same factory)."""
+    import torch
+    from torch import nn
+
+    d = _json(capsys, "--module", "torch.nn:Transformer", "--world-size", "4", "--granularity", "8")
+    with torch.device("meta"):
+        m = nn.Transformer()
+    s = plan_cmd.plan_model(m, 4, granularity=8)
+    assert s["model"] == "Transformer" and d["model"] == "torch.nn:Transformer"
+    drop = {"plan_seconds", "model"}
+    assert {k: v for k, v in s.items() if not k.startswith("_") and k not in drop} == {
+        k: v for k, v in d.items() if k not in drop
+    }
