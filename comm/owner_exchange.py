@@ -79,11 +79,13 @@ class OwnerExchange:
         all_to_all_flat(recv, send, recv_sizes, sizes(send_lists, lambda n: n), group=self.group)
         return list(torch.split(recv.to(dtype), [hi - lo for lst in recv_lists for _, lo, hi in lst]))
 
-    def gather(self, local: list[torch.Tensor | None], wire=None) -> dict:
+    def gather(self, local: list[torch.Tensor | None], wire=None, dtype: torch.dtype | None = None) -> dict:
         """``local[i]``: this rank's piece of route i (1-D, its pieces' length; None if it holds none).
         Returns ``{route index: full 1-D block}`` for the routes this rank owns. ``wire``: the dtype on the wire
-        (default: the pieces'), or ``"int8"`` / ``"fp8_e4m3"`` for block-quantized pieces."""
-        dtype = next((t.dtype for t in local if t is not None), torch.float32)
+        (default: the pieces'), or ``"int8"`` / ``"fp8_e4m3"`` for block-quantized pieces. ``dtype``: the blocks'
+        dtype (default: the pieces'; give it when a rank may hold no piece, so that every rank agrees)."""
+        if dtype is None:
+            dtype = next((t.dtype for t in local if t is not None), torch.float32)
         device = next((t.device for t in local if t is not None), torch.device("cpu"))
         full = {ri: torch.empty(self.routes[ri].numel, dtype=dtype, device=device) for ri in self.owned}
         if self.needs_wire:
@@ -99,10 +101,12 @@ class OwnerExchange:
                 full[ri][lo:hi] = local[ri].to(dtype)
         return full
 
-    def scatter(self, results: dict, wire=None) -> dict:
+    def scatter(self, results: dict, wire=None, dtype: torch.dtype | None = None) -> dict:
         """``results``: ``{route index: full 1-D block}`` for the routes this rank owns. Returns
-        ``{route index: this rank's piece}`` for every route this rank holds a piece of."""
-        dtype = next((t.dtype for t in results.values()), torch.float32)
+        ``{route index: this rank's piece}`` for every route this rank holds a piece of (in ``dtype``, default the
+        results'; give it when a rank may own no block, so that every rank agrees)."""
+        if dtype is None:
+            dtype = next((t.dtype for t in results.values()), torch.float32)
         device = next((t.device for t in results.values()), torch.device("cpu"))
         out = {}
         if self.needs_wire:

@@ -9,6 +9,15 @@ opt = ro.Muon(ro.muon_param_groups(model), lr=0.02)
 
 from ragged_optim.checkpoint import get_full_optimizer_state_dict, load_checkpoint, save_checkpoint
 from ragged_optim.optim import AdamW8bit, Muon, Shampoo, muon_param_groups
+from ragged_optim.optim.blocks import (
+    Block,
+    BlockOptimizer,
+    all_reduce_over_shards,
+    declare_blocks,
+    full_shape,
+    local,
+    local_range,
+)
 from ragged_optim.optim.nonfinite import set_nonfinite_policy
 from ragged_optim.sharding import (
     BlockSpec,
@@ -32,6 +41,13 @@ __all__ = [
     "save_checkpoint",
     "set_nonfinite_policy",
     "AdamW8bit",
+    "Block",
+    "BlockOptimizer",
+    "all_reduce_over_shards",
+    "declare_blocks",
+    "full_shape",
+    "local",
+    "local_range",
     "Shampoo",
     "BlockSpec",
     "CommPolicy",

@@ -583,7 +583,7 @@ def load_checkpoint(
     :class:`CheckpointError` for an incomplete or corrupt checkpoint, another model or other optimizers."""
     import torch.distributed.checkpoint as dcp
 
-    from ragged_optim.optim.base import lock_layouts
+    from ragged_optim.optim.blocks import lock_layouts
 
     path = os.fspath(path)
     if isinstance(optimizers, torch.optim.Optimizer):

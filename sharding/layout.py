@@ -24,10 +24,15 @@ class BlockSpec:
     block: int
     period: int
     owner_computed: bool = False
+    #: Elements per row of a block, so an optimizer can view it as ``[rows, row_len]`` (0: a 1-D run). A view
+    #: hint only: it changes no layout, so specs that differ only in it compare equal.
+    row_len: int = field(default=0, compare=False)
 
     def __post_init__(self):
         if self.block < 1 or self.period < 1:
             raise ValueError(f"BlockSpec sizes must be >= 1, got block={self.block}, period={self.period}")
+        if self.row_len < 0:
+            raise ValueError(f"BlockSpec row_len must be >= 0 (0: 1-D blocks), got {self.row_len}")
 
     @staticmethod
     def elements(g: int, numel: int) -> BlockSpec:
@@ -42,7 +47,7 @@ class BlockSpec:
         if len(shape) < 2:
             return BlockSpec.elements(g, numel)
         r, c = shape[-2], shape[-1]
-        return BlockSpec(block=max(1, min(g, r) * c), period=max(1, r * c))
+        return BlockSpec(block=max(1, min(g, r) * c), period=max(1, r * c), row_len=c)
 
     @staticmethod
     def matrices(shape, *, matrix_dims: int | None = None) -> BlockSpec:
@@ -52,9 +57,23 @@ class BlockSpec:
         numel = max(1, math.prod(shape))
         if len(shape) <= 1 or len(shape) > 3:
             per = numel
+            cols = math.prod(shape[1:]) if len(shape) > 1 else 0
         else:
             per = max(1, shape[-2] * shape[-1])
-        return BlockSpec(block=per, period=per, owner_computed=True)
+            cols = shape[-1]
+        return BlockSpec(block=per, period=per, owner_computed=True, row_len=cols)
+
+    def block_shape(self, start: int, end: int) -> tuple[int, ...]:
+        """The shape an optimizer views block ``[start, end)`` as: ``(rows, row_len)``, or ``(n,)``."""
+        n = end - start
+        if self.row_len and n % self.row_len == 0:
+            return (n // self.row_len, self.row_len)
+        return (n,)
+
+    def block_index(self, start: int) -> int:
+        """The ordinal of the block starting at flat offset ``start`` (blocks counted in flat order)."""
+        per_period = -(-self.period // self.block)
+        return (start // self.period) * per_period + (start % self.period) // self.block
 
     def is_boundary(self, x: int, numel: int) -> bool:
         """True when flat offset ``x`` (0 <= x <= numel) falls between two blocks."""

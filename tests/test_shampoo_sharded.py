@@ -199,7 +199,7 @@ def dtensor_run(rank, world_size, shapes, seed, B, kw):
             opt.step()
         calls.append(dict(stats.calls))
     bands = sorted((i, k) for i, p in enumerate(model.ordered()) for k in opt.state[p].get("bands", {}))
-    split = sum(len(e) for plan in opt.__dict__.get("_block_plans", {}).values() for e in plan.item_routes)
+    split = sum(len(e) for r in opt.__dict__.get("_block_routing", {}).values() for e in r.routed.values())
     return [p.full_tensor().clone() for p in model.ordered()], calls, bands, split
 
 

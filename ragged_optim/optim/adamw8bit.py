@@ -34,7 +34,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ragged_optim.comm.owner_exchange import BlockRoute, OwnerExchange
 from ragged_optim.kernels import (
     FORMATS,
     STATE_FORMAT_VERSION,
@@ -47,11 +46,11 @@ from ragged_optim.kernels import (
     quantize_blockwise,
 )
 from ragged_optim.kernels.adamw8bit_ref import ieee_sqrt_
-from ragged_optim.optim.base import full_shape, is_dtensor, local, process_group, request_block_specs, scalar
+from ragged_optim.optim.base import full_shape, is_dtensor, local, process_group, scalar
 from ragged_optim.optim.muon import adamw_group_update_
 from ragged_optim.optim.optimizer import RaggedOptimizer, check_real, check_reals
 from ragged_optim.sharding import BlockSpec, shard_info
-from ragged_optim.sharding.owner_routes import balanced_owners, blocks_over_ranges, dtensor_local_ranges
+from ragged_optim.sharding.owner_routes import dtensor_local_ranges
 from ragged_optim.sharding.state_dict import optimizer_state_from_dcp
 
 __all__ = ["AdamW8bit", "DEFAULT_QMAPS", "STATE_KEYS_8BIT"]
@@ -108,17 +107,12 @@ class AdamW8bit(RaggedOptimizer):
             state_format=STATE_FORMAT_VERSION,
         )
         self._validate_group(defaults)
-        super().__init__(params, defaults)
-        # Ragged 8-bit params: re-plan their units so no rank boundary cuts a block (a collective on each unit).
-        request_block_specs(
-            [
-                (p, BlockSpec.elements(g["block_size"], self._numel(p)))
-                for g in self.param_groups
-                for p in g["params"]
-                if shard_info(p) is not None and self._is_8bit(p, g)
-            ],
-            allow_split=False,
-        )
+        # Ragged 8-bit params: their units re-plan so no rank boundary cuts a block (a collective on each unit).
+        super().__init__(params, defaults, allow_split=False)
+
+    def block_spec(self, p: Tensor, group: dict[str, Any]) -> BlockSpec | None:
+        """8-bit params compute on quantization blocks of ``block_size`` elements; the rest are element-wise."""
+        return BlockSpec.elements(group["block_size"], self._numel(p)) if self._is_8bit(p, group) else None
 
     # ------------------------------------------------------------------ groups and checks
 
@@ -245,21 +239,12 @@ class AdamW8bit(RaggedOptimizer):
         b = hi if hi == numel else (hi // block_size) * block_size
         return (a, b) if b > a else (lo, lo)
 
-    def _dtensor_plan(self, p: Tensor) -> _CutBlockPlan:
-        """The cut-block plan of ``p``'s process group: every DTensor 8-bit param of this optimizer in that group
-        (owners fixed by that set, whichever params have grads in a step)."""
+    def _owned_cut_blocks(self, p: Tensor) -> list[tuple[int, int]]:
+        """The chunk-boundary-cut blocks of a DTensor 8-bit param that this rank owns (element order). Owners are
+        fixed by the optimizer's whole param set (the block API's routing), whichever params have grads."""
         pg = process_group(p)
-        members = [
-            (q, g["block_size"])
-            for g in self.param_groups
-            for q in g["params"]
-            if is_dtensor(q) and self._is_8bit(q, g) and process_group(q) is pg
-        ]
-        key = (id(pg), tuple((id(q), bs) for q, bs in members))
-        cache = self.__dict__.setdefault("_cut_plans", {})
-        if key not in cache:
-            cache[key] = _CutBlockPlan(members, pg)
-        return cache[key]
+        rank = dist.get_rank(pg)
+        return [(s, e) for s, e, route in self._routing(pg).routed[id(p)] if route.owner == rank]
 
     def state_ranges(self, p: Tensor, group: dict[str, Any] | None = None) -> list[tuple[int, int]]:
         """Flat element ranges ``[s, e)`` of the full param that this rank's state of ``p`` holds, in the order of
@@ -273,8 +258,7 @@ class AdamW8bit(RaggedOptimizer):
         if not (is_dtensor(p) and shard_info(p) is None and self._is_8bit(p, group)):
             return [(lo, hi)]
         a, b = self._interior(lo, hi, self._numel(p), bs)
-        plan = self._dtensor_plan(p)
-        return [(a, b)] + [(s, e) for s, e in plan.owned_blocks(p)]
+        return [(a, b)] + self._owned_cut_blocks(p)
 
     def _state_parts(self, p: Tensor, group: dict[str, Any]) -> list[tuple[int, int]]:
         """``(elements, blocks)`` of each part of the 8-bit state (parts quantize separately: a partial last block
@@ -504,42 +488,36 @@ class AdamW8bit(RaggedOptimizer):
             lp.copy_(pv.view(lp.shape))
         return None
 
-    def _cut_blocks(self, pg, items: list[tuple]) -> None:
-        """The chunk-boundary-cut blocks of DTensor params of one process group: grad and param pieces gathered
-        to the owners (one all_to_all), the owners update the blocks whole, new param pieces scattered back (one
-        all_to_all). Collective: every rank of ``pg`` calls it with the same params."""
-        plan = self._dtensor_plan(items[0][0])
-        nroutes, item_routes, gather, scatter = plan.exchange([it[0] for it in items])
-        if nroutes == 0:
-            return
-        mine: list[Tensor | None] = [None] * (2 * nroutes)
-        for (p, pv, gv, _group, _lp), entry in zip(items, item_routes):
-            lo, hi = plan.my_range[id(p)]
-            for ri, s, e in entry:
-                a, b = max(lo, s), min(hi, e)
-                if b > a:
-                    mine[ri] = pv[a - lo : b - lo]
-                    mine[nroutes + ri] = gv[a - lo : b - lo].to(torch.float32)
-        full = gather.gather(mine)
-        results: dict[int, Tensor] = {}
-        for (p, _pv, _gv, group, _lp), entry in zip(items, item_routes):
-            owned = [ri for ri, _s, _e in entry if ri in full]
-            if not owned:
-                continue
-            state = self.state[p]
-            parts = self._state_parts(p, group)
-            pbuf = torch.cat([full[ri] for ri in owned])
-            gbuf = torch.cat([full[nroutes + ri] for ri in owned])
-            self._update(pbuf, gbuf, state, parts[0][0], parts[0][1], group)
-            for ri, piece in zip(owned, torch.split(pbuf, [full[ri].numel() for ri in owned])):
-                results[ri] = piece
-        back = scatter.scatter(results)
-        for (p, pv, _gv, _group, lp), entry in zip(items, item_routes):
-            lo, hi = plan.my_range[id(p)]
-            for ri, s, e in entry:
-                a, b = max(lo, s), min(hi, e)
-                if b > a:
-                    pv[a - lo : b - lo].copy_(back[ri])
+    def _cut_blocks(self, items: list[tuple]) -> None:
+        """The chunk-boundary-cut blocks of DTensor params, through the block API: param and grad pieces gathered
+        to the owners (one all_to_all per process group), each owner updates its blocks of a param whole, in one
+        fused call on their concatenation (its state holds them in that order), and the new param pieces are
+        scattered back into the local params (one all_to_all). Collective: every rank calls it with the same
+        params."""
+        group_of = {id(p): group for p, _pv, _gv, group, _lp in items}
+
+        def update(blocks):
+            by_param: dict[int, list] = {}
+            for b in blocks:
+                by_param.setdefault(id(b.param), []).append(b)
+            for bs in by_param.values():
+                p, group = bs[0].param, group_of[id(bs[0].param)]
+                parts = self._state_parts(p, group)
+                pbuf = torch.cat([b.values[0] for b in bs])
+                gbuf = torch.cat([b.values[1] for b in bs])
+                self._update(pbuf, gbuf, self.state[p], parts[0][0], parts[0][1], group)
+                for b, piece in zip(bs, torch.split(pbuf, [b.numel for b in bs])):
+                    b.values[0].copy_(piece)
+            return [b.values[0] for b in blocks]
+
+        self.map_blocks(
+            update,
+            [p for p, *_ in items],
+            [(pv, gv.to(torch.float32)) for _p, pv, gv, _g, _lp in items],
+            out=[pv for _p, pv, *_ in items],
+            local_blocks=False,
+        )
+        for _p, pv, _gv, _group, lp in items:
             if lp is not None:
                 lp.copy_(pv.view(lp.shape))
 
@@ -549,7 +527,7 @@ class AdamW8bit(RaggedOptimizer):
         loss, skip = self._begin_step(closure)
         if skip:
             return loss
-        cut: dict[int, tuple[Any, list[tuple]]] = {}  # DTensor params' cut blocks, per process group
+        cut: list[tuple] = []  # DTensor params' cut blocks
         for group in self.param_groups:
             fp32: tuple[list, list, list] = ([], [], [])  # params with fp32 state: one foreach AdamW per group
             for p in group["params"]:
@@ -559,65 +537,14 @@ class AdamW8bit(RaggedOptimizer):
                 if self._is_8bit(p, group):
                     item = self._step_8bit(p, grad, group)
                     if item is not None:
-                        pg = process_group(p)
-                        cut.setdefault(id(pg), (pg, []))[1].append(item)
+                        cut.append(item)
                 else:
                     for lst, x in zip(fp32, (p, grad, self.state[p])):
                         lst.append(x)
             adamw_group_update_(*fp32, group)
-        for pg, items in cut.values():
-            self._cut_blocks(pg, items)
+        if cut:
+            self._cut_blocks(cut)
         return loss
-
-
-class _CutBlockPlan:
-    """The chunk-boundary-cut quantization blocks of the DTensor 8-bit params of one process group, with owners
-    balanced jointly (largest first, preferring the rank holding most of a block). ``exchange(params)`` gives the
-    routes of a subset of them (the params with grads in a step): ``(number of routes, per param
-    [(route index, start, end)], gather exchange (param routes, then grad routes), scatter exchange)``."""
-
-    def __init__(self, members: list[tuple[Tensor, int]], group) -> None:
-        self.rank, self.world, self.group = dist.get_rank(group), dist.get_world_size(group), group
-        self.my_range: dict[int, tuple[int, int]] = {}
-        self.blocks: dict[int, list[list]] = {}  # id(param) -> [[start, end, pieces, owner], ...]
-        pending = []
-        for q, bs in members:
-            numel = math.prod(full_shape(q))
-            ranges = dtensor_local_ranges(q)
-            self.my_range[id(q)] = ranges[self.rank]
-            cut = []
-            for s, e, pieces, holder in blocks_over_ranges(BlockSpec.elements(bs, numel), numel, ranges):
-                if len(pieces) >= 2:
-                    pending.append((cut, len(cut), float(e - s), holder))
-                    cut.append([s, e, pieces, None])
-            self.blocks[id(q)] = cut
-        if pending:
-            owners = balanced_owners([c for *_, c, _ in pending], [h for *_, h in pending], self.world)
-            for (cut, j, _, _), owner in zip(pending, owners):
-                cut[j][3] = owner
-        self._exchanges: dict[tuple, tuple] = {}
-
-    def owned_blocks(self, p: Tensor) -> list[tuple[int, int]]:
-        return [(s, e) for s, e, _, owner in self.blocks[id(p)] if owner == self.rank]
-
-    def exchange(self, params: list[Tensor]) -> tuple:
-        key = tuple(id(p) for p in params)
-        if key not in self._exchanges:
-            routes: list[BlockRoute] = []
-            item_routes = []
-            for p in params:
-                entry = []
-                for s, e, pieces, owner in self.blocks[id(p)]:
-                    entry.append((len(routes), s, e))
-                    routes.append(BlockRoute(e - s, owner, pieces))
-                item_routes.append(entry)
-            self._exchanges[key] = (
-                len(routes),
-                item_routes,
-                OwnerExchange(routes + routes, self.rank, self.world, self.group),
-                OwnerExchange(routes, self.rank, self.world, self.group),
-            )
-        return self._exchanges[key]
 
 
 def _unfused_step(

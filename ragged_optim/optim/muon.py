@@ -34,15 +34,7 @@ from ragged_optim.kernels.newton_schulz import (
     NS_MATMUL_MODES,
     newton_schulz,
 )
-from ragged_optim.optim.base import (
-    BlockPlan,
-    full_shape,
-    local,
-    ns_cost,
-    process_group,
-    request_block_specs,
-    scalar,
-)
+from ragged_optim.optim.base import full_shape, local, ns_cost, scalar
 from ragged_optim.optim.optimizer import RaggedOptimizer, check_bool, check_real, check_reals
 from ragged_optim.sharding import BlockSpec
 
@@ -283,10 +275,6 @@ class Muon(RaggedOptimizer):
                 UserWarning,
                 stacklevel=2,
             )
-        # Ragged-sharded Muon params: ask their units to re-plan so each matrix has one owner (a collective).
-        request_block_specs(
-            [(p, BlockSpec.matrices(full_shape(p))) for g in self.param_groups if g["use_muon"] for p in g["params"]]
-        )
 
     # ------------------------------------------------------------------ groups
 
@@ -418,15 +406,6 @@ class Muon(RaggedOptimizer):
             return int(shape[0]), int(math.prod(shape[1:]))
         raise ValueError(f"a {len(shape)}-D tensor of shape {tuple(shape)} has no matrix shape")
 
-    @staticmethod
-    def _as_matrices(u: Tensor) -> Tensor:
-        """``u`` as a ``[B, m, n]`` view (B = 1 for a 2-D or flattened conv param, E for a stack)."""
-        if u.ndim == 2:
-            return u.unsqueeze(0)
-        if u.ndim == 3:
-            return u
-        return u.reshape(1, u.shape[0], -1)
-
     def _local_muon_update(self, p: Tensor, grad: Tensor, group: dict[str, Any], key: Tensor | None = None) -> Tensor:
         """Phase (a): weight decay, momentum and Nesterov, elementwise on ``p`` (whole or a shard); state is kept
         under ``key`` (the param object the user gave, when ``p`` is its local shard)."""
@@ -441,38 +420,38 @@ class Muon(RaggedOptimizer):
             p.mul_(1 - scalar(group["lr"]) * wd)
         return grad.lerp(buf, momentum) if group["nesterov"] else buf
 
-    def _orthogonalize_updates(self, items: list[MuonItem]) -> list[Tensor]:
-        """Phase (b): Newton-Schulz on every update, batched over updates whose matrices share a shape.
+    def block_spec(self, p: Tensor, group: dict[str, Any]) -> BlockSpec | None:
+        """Muon params compute on whole matrices (each matrix of a stack), computed by one owner rank."""
+        return BlockSpec.matrices(full_shape(p)) if group["use_muon"] else None
 
-        Returns one tensor per item, shaped like ``item.param``'s local tensor. Distributed params (ragged or
-        DTensor) go through :meth:`_orthogonalize_distributed`.
-        """
-        dist_idx = [i for i, it in enumerate(items) if process_group(it.param) is not None]
-        if dist_idx:
-            out = [None] * len(items)
-            dist_set = set(dist_idx)
-            plain_idx = [i for i in range(len(items)) if i not in dist_set]
-            for i, o in zip(dist_idx, self._orthogonalize_distributed([items[i] for i in dist_idx])):
-                out[i] = o
-            if plain_idx:
-                for i, o in zip(plain_idx, self._orthogonalize_updates([items[i] for i in plain_idx])):
-                    out[i] = o
-            return out
+    def block_cost(self, p: Tensor, spec: BlockSpec, numel: int) -> float:
+        return ns_cost(numel, self._matrix_shape(p))
+
+    def _orthogonalize_updates(self, items: list[MuonItem]) -> list[Tensor]:
+        """Phase (b): Newton-Schulz on every update's matrices, through the block API (:meth:`map_blocks`): a
+        matrix this rank holds whole is orthogonalized in place of its update's view; a sharded matrix is gathered
+        whole to its owner (the planner's balanced owner for ragged params, a balanced choice for DTensors) in one
+        all_to_all per process group, orthogonalized there exactly as on one process, and scattered back in one
+        more. Matrices that share a shape are batched. Returns one tensor per item, shaped like its local update."""
+        group_of = {id(it.param): it.group for it in items}
+        return self.map_blocks(
+            lambda blocks: self._orthogonalize_blocks(blocks, group_of),
+            [it.param for it in items],
+            [it.update for it in items],
+            wire_dtype=self._wire_dtype([it.group for it in items]),
+        )
+
+    def _orthogonalize_blocks(self, blocks: list, group_of: dict[int, dict]) -> list[Tensor]:
+        """Newton-Schulz on each block's matrix, one ``newton_schulz`` call per (shape, device, dtype, NS settings)
+        bucket."""
         buckets: dict[tuple, list[int]] = {}
-        mats = [self._as_matrices(it.update) for it in items]
-        for i, (it, x) in enumerate(zip(items, mats)):
-            g = it.group
-            key = (
-                tuple(x.shape[-2:]),
-                x.device,
-                x.dtype,
-                g["ns_steps"],
-                tuple(g["ns_coefficients"]),
-                g["eps"],
-                g["ns_dtype"],
-            )
+        for i, b in enumerate(blocks):
+            g = group_of[id(b.param)]
+            x = b.value
+            ns = (g["ns_steps"], tuple(g["ns_coefficients"]), g["eps"], g["ns_dtype"])
+            key = (tuple(x.shape), x.device, x.dtype, *ns)
             buckets.setdefault(key, []).append(i)
-        out: list[Tensor | None] = [None] * len(items)
+        out: list[Tensor | None] = [None] * len(blocks)
         for key, idx in buckets.items():
             _, _, _, steps, coefficients, eps, dtype = key
             kw = dict(
@@ -483,49 +462,13 @@ class Muon(RaggedOptimizer):
                 batched_matmul=self.ns_batched_matmul,
                 matmul=self.ns_matmul,
             )
-            if len(idx) == 1 and mats[idx[0]].shape[0] == 1:
-                ortho = newton_schulz(mats[idx[0]][0], **kw).unsqueeze(0)
-                pieces = [ortho]
+            if len(idx) == 1:
+                out[idx[0]] = newton_schulz(blocks[idx[0]].value, **kw)
             else:
-                ortho = newton_schulz(torch.cat([mats[i] for i in idx]), **kw)
-                pieces = list(torch.split(ortho, [mats[i].shape[0] for i in idx]))
-            for i, piece in zip(idx, pieces):
-                out[i] = piece.reshape(items[i].param.shape)
+                ortho = newton_schulz(torch.stack([blocks[i].value for i in idx]), **kw)
+                for i, o in zip(idx, ortho.unbind(0)):
+                    out[i] = o
         return out  # type: ignore[return-value]
-
-    def _orthogonalize_distributed(self, items: list[MuonItem]) -> list[Tensor]:
-        """Phase (b) for sharded params: every matrix is gathered whole to its owner (the planner's balanced
-        owner for ragged params; a balanced greedy choice for DTensors) in one all_to_all per process group,
-        orthogonalized there exactly as on one process, and scattered back in one more. Matrices that one rank
-        holds whole move no data; when none needs moving the collectives are skipped on every rank."""
-        out: list[Tensor | None] = [None] * len(items)
-        by_group: dict[int, tuple[Any, list[int]]] = {}
-        for i, it in enumerate(items):
-            pg = process_group(it.param)
-            by_group.setdefault(id(pg), (pg, []))[1].append(i)
-        for pg, idx in by_group.values():
-            params = [items[i].param for i in idx]
-            plan = self._block_plan(pg, params)
-            wire = self._wire_dtype([items[i].group for i in idx])
-            local_pieces: dict[int, Tensor] = {}
-            for k, i in enumerate(idx):
-                local_pieces.update(plan.local_pieces(k, items[i].update.reshape(-1)))
-            full = plan.exchange.gather([local_pieces.get(r) for r in range(len(plan.routes))], wire)
-            ortho_full = self._orthogonalize_owned(plan, idx, items, full)
-            back = plan.exchange.scatter(ortho_full, wire)
-            for k, i in enumerate(idx):
-                out[i] = plan.assemble(k, back, items[i].update)
-        return out  # type: ignore[return-value]
-
-    def _block_plan(self, pg, params: list[Tensor]) -> BlockPlan:
-        """Routes are fixed while the layouts are: cache them by the param set."""
-        cache = self.__dict__.setdefault("_block_plans", {})
-        key = (id(pg), tuple(id(p) for p in params))
-        if key not in cache:
-            spec_of = lambda p: BlockSpec.matrices(full_shape(p))
-            cost_of = lambda p, numel: ns_cost(numel, self._matrix_shape(p))
-            cache[key] = BlockPlan(params, spec_of, cost_of, pg)
-        return cache[key]
 
     def _wire_dtype(self, groups: list[dict]) -> torch.dtype | str | None:
         """Newton-Schulz starts by casting to ns_dtype, so sending in ns_dtype changes no bit of the result."""
@@ -533,21 +476,6 @@ class Muon(RaggedOptimizer):
             return self.wire_dtype
         dtypes = {g["ns_dtype"] for g in groups}
         return dtypes.pop() if len(dtypes) == 1 else None
-
-    def _orthogonalize_owned(self, plan: BlockPlan, idx: list[int], items: list[MuonItem], full: dict) -> dict:
-        """Newton-Schulz on the whole matrices this rank owns, through the one-process path."""
-        owned_items, keys = [], []
-        for k, i in enumerate(idx):
-            m, n = self._matrix_shape(items[i].param)
-            for ri, _, _ in plan.item_routes[k]:
-                if ri in full:
-                    mat = full[ri].view(m, n)
-                    owned_items.append(MuonItem(mat, mat, items[i].group))
-                    keys.append(ri)
-        if not owned_items:
-            return {}
-        results = self._orthogonalize_updates(owned_items)
-        return {ri: r.reshape(-1) for ri, r in zip(keys, results)}
 
     def _apply_muon_update(self, item: MuonItem, ortho: Tensor) -> None:
         """Phase (c): ``p -= adjusted_lr * ortho`` with the lr adjusted for the param's (full) matrix shape."""

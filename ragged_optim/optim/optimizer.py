@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from ragged_optim.optim.base import full_shape, lock_layouts
+from ragged_optim.optim.base import full_shape
+from ragged_optim.optim.blocks import BlockOptimizer
 from ragged_optim.optim.nonfinite import guard_step
 from ragged_optim.sharding.state_dict import optimizer_state_from_dcp
 
@@ -50,9 +51,10 @@ def check_bool(name: str, value: Any) -> bool:
     raise TypeError(f"{name} must be True or False, got {_shown(value)}")
 
 
-class RaggedOptimizer(torch.optim.Optimizer):
-    """A ``torch.optim.Optimizer`` (param groups, state_dict, LR schedulers) that also runs on ragged-sharded and
-    FSDP2 params. Subclasses start ``step`` with ``loss, skip = self._begin_step(closure)``."""
+class RaggedOptimizer(BlockOptimizer):
+    """A :class:`BlockOptimizer` (a ``torch.optim.Optimizer``: param groups, state_dict, LR schedulers, on plain,
+    ragged-sharded and FSDP2 params) with our optimizers' shared checks. Subclasses start ``step`` with
+    ``loss, skip = self._begin_step(closure)``."""
 
     def _begin_step(self, closure) -> tuple[object, bool]:
         """Run the closure; from now on the sharded layouts shape this optimizer's state, so lock them; check the
@@ -61,9 +63,7 @@ class RaggedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if not self.__dict__.get("_layouts_locked"):
-            lock_layouts(p for g in self.param_groups for p in g["params"])
-            self._layouts_locked = True
+        self._lock_block_layouts()
         return loss, guard_step(self)
 
     def _param_label(self, gi: int, i: int) -> str:

@@ -45,22 +45,12 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from ragged_optim.kernels.matrix_root import RootInverseError, matrix_inverse_root
-from ragged_optim.optim.base import (
-    BlockPlan,
-    full_shape,
-    is_dtensor,
-    local,
-    local_ranges,
-    process_group,
-    request_block_specs,
-    scalar,
-)
+from ragged_optim.optim.base import full_shape, is_dtensor, local, scalar
 from ragged_optim.optim.optimizer import RaggedOptimizer, check_real, check_reals
-from ragged_optim.sharding import BlockSpec, shard_info
+from ragged_optim.sharding import BlockSpec
 
 __all__ = ["Shampoo", "GRAFTING_METHODS", "shampoo_band_spec", "matrix_view_shape"]
 
@@ -76,9 +66,7 @@ def matrix_view_shape(shape) -> tuple[int, int]:
 
 def shampoo_band_spec(shape, max_preconditioner_dim: int) -> BlockSpec:
     """The layout block of a matrix param: bands of ``max_preconditioner_dim`` rows of its matrix view."""
-    d0, cols = matrix_view_shape(shape)
-    numel = max(1, d0 * cols)
-    return BlockSpec(block=max(1, min(max_preconditioner_dim, d0) * cols), period=numel)
+    return BlockSpec.rows(max_preconditioner_dim, matrix_view_shape(shape))
 
 
 def _tile_groups(cols: int, B: int) -> list[tuple[int, int, int]]:
@@ -254,14 +242,6 @@ class Shampoo(RaggedOptimizer):
             exponent_override=exponent_override,
         )
         super().__init__(params, defaults)
-        request_block_specs(
-            [
-                (p, shampoo_band_spec(full_shape(p), g["max_preconditioner_dim"]))
-                for g in self.param_groups
-                for p in g["params"]
-                if len(full_shape(p)) >= 2
-            ]
-        )
 
     # ------------------------------------------------------------------ groups and checks
 
@@ -390,26 +370,6 @@ class Shampoo(RaggedOptimizer):
         g = g_flat.to(torch.float32, copy=True).reshape(-1, cols)
         return _band_update(g, st, t, group, f"{label} band {k}").reshape(-1)
 
-    def _local_range(self, p: Tensor) -> tuple[int, int]:
-        info = shard_info(p)
-        if info is not None:
-            return info.local_range
-        if is_dtensor(p):
-            return local_ranges(p)[dist.get_rank(process_group(p))]
-        return (0, p.numel())
-
-    def _local_bands(self, p: Tensor, group: dict) -> list[tuple[int, int, int]]:
-        """``(band index, start, end)`` (tensor-local flat) of the bands this rank holds whole."""
-        d0, cols, per = self._band_geometry(p, group["max_preconditioner_dim"])
-        numel = d0 * cols
-        lo, hi = self._local_range(p)
-        out = []
-        for k in range(lo // per, -(-hi // per) if hi > lo else 0):
-            s, e = k * per, min((k + 1) * per, numel)
-            if s >= lo and e <= hi:
-                out.append((k, s, e))
-        return out
-
     def preconditioner_bytes(self) -> int:
         """Bytes of factor and root matrices this rank holds (its share of the preconditioner memory)."""
         total = 0
@@ -421,62 +381,31 @@ class Shampoo(RaggedOptimizer):
 
     # ------------------------------------------------------------------ step
 
+    def block_spec(self, p: Tensor, group: dict[str, Any]) -> BlockSpec | None:
+        """Matrix params compute on bands of ``max_preconditioner_dim`` rows; 1-D params are element-wise."""
+        if len(full_shape(p)) < 2:
+            return None
+        return shampoo_band_spec(full_shape(p), group["max_preconditioner_dim"])
+
+    def block_cost(self, p: Tensor, spec: BlockSpec, numel: int) -> float:
+        return float(numel) * (numel // matrix_view_shape(full_shape(p))[1])  # rows x elements: the factor products
+
     def _matrix_updates(self, items: list[tuple]) -> list[Tensor]:
-        """Per item ``(p, grad_local, group, label)``: this rank's flat update of p's local elements."""
-        out: list[Tensor] = []
-        for p, grad, group, label in items:
-            lo, _ = self._local_range(p)
-            g_flat = grad.reshape(-1)
-            u = torch.zeros(g_flat.numel(), dtype=torch.float32, device=g_flat.device)
-            for k, s, e in self._local_bands(p, group):
-                u[s - lo : e - lo] = self._compute_band(p, k, g_flat[s - lo : e - lo], group, label)
-            out.append(u)
-        by_group: dict[int, tuple[Any, list[int]]] = {}
-        for j, (p, *_rest) in enumerate(items):
-            pg = process_group(p)
-            if pg is not None:
-                by_group.setdefault(id(pg), (pg, []))[1].append(j)
-        for pg, idx in by_group.values():
-            self._split_bands(pg, idx, items, out)
-        return out
+        """Per item ``(p, grad_local, group, label)``: this rank's update of p's local elements (fp32), through the
+        block API: bands this rank holds whole are computed in place; split bands (and DTensor bands a row-chunk
+        boundary cuts) are gathered to their owner, computed there, and scattered back (one all_to_all each way
+        per process group)."""
+        info = {id(p): (group, label) for p, _, group, label in items}
 
-    def _split_bands(self, pg, idx: list[int], items: list[tuple], out: list[Tensor]) -> None:
-        """Owner-computed (split) bands of one process group: one gather, the owners compute, one scatter."""
-        params = [items[j][0] for j in idx]
-        plan = self._block_plan(pg, params, [items[j][2] for j in idx])
-        if not plan.routes:
-            return
-        pieces: dict[int, Tensor] = {}
-        for k, j in enumerate(idx):
-            pieces.update(plan.local_pieces(k, items[j][1].reshape(-1)))
-        full = plan.exchange.gather([pieces.get(r) for r in range(len(plan.routes))])
-        results = {}
-        for k, j in enumerate(idx):
-            p, _, group, label = items[j]
-            per = self._band_geometry(p, group["max_preconditioner_dim"])[2]
-            for ri, s, _e in plan.item_routes[k]:
-                if ri in full:
-                    results[ri] = self._compute_band(p, s // per, full[ri], group, label)
-        back = plan.exchange.scatter(results)
-        for k, j in enumerate(idx):
-            lo, hi = plan.my_range[k]
-            for ri, s, e in plan.item_routes[k]:
-                a, b = max(lo, s), min(hi, e)
-                if b > a:
-                    out[j][a - lo : b - lo] = back[ri].to(torch.float32)
+        def compute(blocks):
+            return [self._compute_band(b.param, b.index, b.value.reshape(-1), *info[id(b.param)]) for b in blocks]
 
-    def _block_plan(self, pg, params: list[Tensor], groups: list[dict]) -> BlockPlan:
-        """Routes of the split bands are fixed while the layouts are: cache them by the param set."""
-        cache = self.__dict__.setdefault("_block_plans", {})
-        key = (id(pg), tuple(id(p) for p in params))
-        if key not in cache:
-            B = {id(p): g["max_preconditioner_dim"] for p, g in zip(params, groups)}
-            # Split bands only: the planner's split bands of ragged params, and DTensor bands a row-chunk boundary
-            # cuts (owners balanced over the group on rows x numel, preferring the rank holding most of the band).
-            spec_of = lambda p: shampoo_band_spec(full_shape(p), B[id(p)])
-            cost_of = lambda p, numel: float(numel) * (numel // matrix_view_shape(full_shape(p))[1])
-            cache[key] = BlockPlan(params, spec_of, cost_of, pg, only_cut=True)
-        return cache[key]
+        return self.map_blocks(
+            compute,
+            [p for p, *_ in items],
+            [grad for _, grad, *_ in items],
+            out=[torch.zeros(local(p).shape, dtype=torch.float32, device=grad.device) for p, grad, *_ in items],
+        )
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]

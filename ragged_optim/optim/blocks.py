@@ -1,0 +1,406 @@
+"""The optimizer-first API: an optimizer declares which blocks of each param it needs whole, and computes on them.
+
+An optimizer built on :class:`BlockOptimizer` (a ``torch.optim.Optimizer``) says, per param, which blocks it
+computes on (:meth:`BlockOptimizer.block_spec`: runs of b elements, bands of g rows, whole matrices, each matrix of
+a stack). The sharding layer lays ragged-sharded params out so that those blocks are whole on one rank wherever it
+can; each step :meth:`BlockOptimizer.map_blocks` hands the optimizer every block this rank computes, as views into
+its local tensors, plus the blocks a rank boundary cuts that this rank owns, gathered whole (one ``all_to_all`` per
+process group for all of them), and scatters the results of those back (one more). The same code runs on plain
+tensors (every block local), on ``ragged_optim.fully_shard`` params and on torch FSDP2 ``DTensor`` params
+(``Shard(0)``: row chunks no planner chose, so more blocks are cut). Muon, Shampoo, SOAP and AdamW8bit are built on
+exactly this API. A complete example: docs/custom_optimizer.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ragged_optim.comm.owner_exchange import BlockRoute, OwnerExchange
+from ragged_optim.optim.base import full_shape, local, local_ranges, process_group
+from ragged_optim.sharding import BlockSpec, shard_info
+from ragged_optim.sharding.owner_routes import balanced_owners, blocks_over_ranges, ragged_routes
+from ragged_optim.sharding.planner import assign_owners_jointly
+
+__all__ = [
+    "Block",
+    "BlockOptimizer",
+    "BlockSpec",
+    "all_reduce_over_shards",
+    "declare_blocks",
+    "full_shape",
+    "local",
+    "local_range",
+]
+
+
+@dataclass
+class Block:
+    """One block an optimizer computes on this rank, whole.
+
+    ``values`` holds one tensor per input given to :meth:`BlockOptimizer.map_blocks`, each shaped ``shape``: a view
+    into the local input for a block this rank holds whole (in-place changes land in the input), a gathered copy for
+    a block assembled here from other ranks' pieces (``gathered``)."""
+
+    param: Tensor  # the param as the optimizer holds it (the key of its state)
+    index: int  # the block's ordinal in the param, flat order (keep per-block state under it)
+    start: int  # flat element range [start, end) of the full (unsharded) param
+    end: int
+    shape: tuple[int, ...]  # (rows, row_len) for bands and matrices, (n,) for runs of elements
+    values: tuple[Tensor, ...]
+    gathered: bool
+
+    @property
+    def value(self) -> Tensor:
+        """The first input's block (the usual case of one input)."""
+        return self.values[0]
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+
+def local_range(p: Tensor) -> tuple[int, int]:
+    """This rank's flat element range ``[lo, hi)`` of the full param (``(0, numel)`` for a plain tensor)."""
+    info = shard_info(p)
+    if info is not None:
+        return info.local_range
+    group = process_group(p)
+    if group is not None:
+        return local_ranges(p)[dist.get_rank(group)]
+    return 0, p.numel()
+
+
+def all_reduce_over_shards(t: Tensor, p: Tensor, op: str = "sum") -> Tensor:
+    """``t`` reduced over the ranks that hold pieces of ``p`` (its shard group; replicas of an HSDP mesh hold the same
+    values and are not included), in place; returns ``t``. A plain tensor's param: ``t`` as is. ``op``: ``"sum"``,
+    ``"max"`` or ``"min"``. A collective: every rank of the group must call it. Use it for a global norm of a
+    sharded tensor: ``all_reduce_over_shards(local(g).square().sum(), p).sqrt()``."""
+    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+    if op not in ops:
+        raise ValueError(f"all_reduce_over_shards: op must be one of {sorted(ops)}, got {op!r}")
+    group = process_group(p)
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op=ops[op], group=group)
+    return t
+
+
+def declare_blocks(entries: Sequence[tuple[Tensor, BlockSpec]], *, allow_split: bool = True) -> None:
+    """Tell the sharding layer which blocks of which params must be whole: every ragged unit concerned re-plans once
+    (a collective: every rank calls it with the same entries, in the same order, before the first step). With
+    ``allow_split=False`` no rank boundary may cut a block (8-bit quantization blocks); otherwise the planner may cut
+    a block and mark it owner-computed. Plain and DTensor params need nothing."""
+    entries = list(entries)
+    for p, spec in entries:
+        if not isinstance(spec, BlockSpec):
+            raise TypeError(
+                f"the block spec of a param of shape {tuple(full_shape(p))} must be a ragged_optim.BlockSpec, got "
+                f"{type(spec).__name__}: {spec!r}"
+            )
+    by_unit: dict[int, tuple] = {}
+    for p, spec in entries:
+        info = shard_info(p)
+        if info is None:
+            continue
+        unit = info.unit
+        by_unit.setdefault(id(unit), (unit, {}))[1][info.index] = spec
+    _check_ranks_agree(list(by_unit.values()), allow_split)
+    groups: dict = {}
+    for unit, specs in by_unit.values():
+        unit.relayout(specs, allow_split=allow_split)
+        groups.setdefault(id(unit.group), []).append(unit)
+    for units in groups.values():  # owners of all units of a group, balanced together (largest matrix first)
+        for unit, layout in zip(units, assign_owners_jointly([u.layout for u in units])):
+            unit.layout = layout
+
+
+def _check_ranks_agree(requests: list[tuple], allow_split: bool) -> None:
+    """A relayout is a collective that a rank skips when its specs change nothing, so ranks that build an optimizer
+    over different params or settings would deadlock or mix layouts. One all_reduce per process group compares a
+    digest of every rank's request first, and all ranks raise together on a mismatch."""
+    by_group: dict[int, tuple] = {}
+    for unit, specs in requests:
+        by_group.setdefault(id(unit.group), (unit.group, unit.device, []))[2].append((unit, specs))
+    for group, device, entries in by_group.values():
+        if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+            continue
+        request = sorted(
+            (tuple(unit.names), sorted((i, s.block, s.period, s.owner_computed) for i, s in specs.items()))
+            for unit, specs in entries
+        )
+        digest = int.from_bytes(hashlib.sha256(repr((request, allow_split)).encode()).digest()[:7], "little")
+        both = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+        if both[0].item() != -both[1].item():
+            n = sum(len(specs) for _, specs in entries)
+            names = [unit.names[i] for unit, specs in entries for i in specs][:3]
+            raise ValueError(
+                f"ranks build this optimizer over different sharded params or settings (this rank: {n} params in "
+                f"{len(entries)} units, e.g. {names}); construct every optimizer on every rank with the same params, "
+                "in the same order, with the same hyperparameters"
+            )
+
+
+def lock_layouts(params) -> None:
+    """From the first step on, optimizer state is shaped by the current layouts: forbid re-planning them."""
+    for p in params:
+        info = shard_info(p)
+        if info is not None:
+            info.unit.layout_locked = True
+
+
+def default_block_cost(spec: BlockSpec, numel: int) -> float:
+    """Compute cost of a block, to balance owners: ``rows * cols * min(rows, cols)`` for a matrix-shaped block (a
+    matmul-bound step: Newton-Schulz, factor products), ``numel`` for a run of elements."""
+    shape = spec.block_shape(0, numel)
+    if len(shape) == 2:
+        return float(shape[0]) * shape[1] * min(shape)
+    return float(numel)
+
+
+class _Routing:
+    """Where the cut (and owner-computed) blocks of one process group's params are computed.
+
+    Owners are fixed by the whole param set an optimizer declared (not by which params have grads in a step), so
+    per-block state stays on one rank. Ragged params take their layout's owners (the planner balanced them);
+    DTensor blocks get owners balanced jointly (largest cost first, preferring the rank that holds most of it)."""
+
+    def __init__(self, members: list[tuple[Tensor, BlockSpec]], group, cost: Callable) -> None:
+        self.group, self.rank, self.world = group, dist.get_rank(group), dist.get_world_size(group)
+        self.routed: dict[int, list[tuple[int, int, BlockRoute | None]]] = {}
+        pending = []
+        for p, spec in members:
+            entry: list[tuple[int, int, BlockRoute | None]] = []
+            if shard_info(p) is not None:
+                routes, spans = ragged_routes(p)
+                entry = [(s, e, r) for r, (s, e) in zip(routes, spans)]
+            else:
+                numel = max(1, int(torch.Size(full_shape(p)).numel()))
+                for s, e, pieces, holder in blocks_over_ranges(spec, numel, local_ranges(p)):
+                    if spec.owner_computed or len(pieces) >= 2:
+                        pending.append((entry, len(entry), cost(p, spec, e - s), holder, pieces))
+                        entry.append((s, e, None))
+            self.routed[id(p)] = entry
+        if pending:
+            owners = balanced_owners([c for _, _, c, _, _ in pending], [h for _, _, _, h, _ in pending], self.world)
+            for (entry, j, _, _, pieces), owner in zip(pending, owners):
+                s, e, _ = entry[j]
+                entry[j] = (s, e, BlockRoute(e - s, owner, pieces))
+        self._exchanges: dict[tuple, tuple] = {}
+
+    def exchange(self, params: list[Tensor], n_inputs: int) -> tuple[list[list[int]], OwnerExchange, OwnerExchange]:
+        """For the params of one step: each one's route indices, the gather exchange (every input's routes, one
+        after the other) and the scatter exchange."""
+        key = (tuple(id(p) for p in params), n_inputs)
+        if key not in self._exchanges:
+            routes: list[BlockRoute] = []
+            idx = []
+            for p in params:
+                idx.append(list(range(len(routes), len(routes) + len(self.routed[id(p)]))))
+                routes.extend(r for _, _, r in self.routed[id(p)])
+            self._exchanges[key] = (
+                idx,
+                OwnerExchange(routes * n_inputs, self.rank, self.world, self.group),
+                OwnerExchange(routes, self.rank, self.world, self.group),
+            )
+        return self._exchanges[key]
+
+
+def _local_block_spans(spec: BlockSpec, lo: int, hi: int, numel: int, skip: set[int]) -> list[tuple[int, int]]:
+    """The blocks wholly inside ``[lo, hi)`` whose start is not in ``skip`` (the routed ones)."""
+    out = []
+    x = lo
+    while x < hi:
+        s, e = spec.block_of(x, numel)
+        if s >= lo and e <= hi and s not in skip:
+            out.append((s, e))
+        x = e
+    return out
+
+
+class BlockOptimizer(torch.optim.Optimizer):
+    """A ``torch.optim.Optimizer`` that computes on whole blocks of its params, sharded or not.
+
+    Subclasses override :meth:`block_spec` and call :meth:`map_blocks` in ``step``. The constructor declares every
+    param's blocks to the sharding layer (ragged units re-plan once, a collective: build the optimizer on every rank
+    with the same params, before the first step); from the first step on the layouts are locked. Element-wise math
+    runs on :func:`local` tensors as usual."""
+
+    def __init__(self, params, defaults: dict[str, Any], *, allow_split: bool = True) -> None:
+        super().__init__(params, defaults)
+        self._block_allow_split = allow_split
+        self.declare_param_blocks()
+        self.register_step_pre_hook(lambda opt, args, kwargs: opt._lock_block_layouts())
+
+    def block_spec(self, p: Tensor, group: dict[str, Any]) -> BlockSpec | None:
+        """The blocks ``p`` (in ``group``) is computed on; None (the default) for an element-wise param. Use the
+        param's full shape (:func:`full_shape`): ``BlockSpec.rows(16, full_shape(p))``, ``BlockSpec.matrices(...)``,
+        ``BlockSpec.elements(256, numel)``."""
+        return None
+
+    def block_cost(self, p: Tensor, spec: BlockSpec, numel: int) -> float:
+        """The compute cost of one of ``p``'s blocks of ``numel`` elements, to balance owners of cut blocks."""
+        return default_block_cost(spec, numel)
+
+    def declare_param_blocks(self) -> None:
+        """(Re)declare every param's spec: called by the constructor; call it again after ``add_param_group`` on a
+        built optimizer (before the first step)."""
+        declare_blocks(
+            [(p, s) for g in self.param_groups for p in g["params"] if (s := self.block_spec(p, g)) is not None],
+            allow_split=self._block_allow_split,
+        )
+        self.__dict__.pop("_block_routing", None)
+
+    def _lock_block_layouts(self) -> None:
+        if not self.__dict__.get("_layouts_locked"):
+            lock_layouts(p for g in self.param_groups for p in g["params"])
+            self._layouts_locked = True
+
+    def _spec_of(self, p: Tensor) -> BlockSpec:
+        specs = self.__dict__.setdefault("_block_specs", {})
+        if id(p) not in specs:
+            group = next((g for g in self.param_groups if any(q is p for q in g["params"])), None)
+            spec = self.block_spec(p, group) if group is not None else None
+            if spec is None:
+                raise ValueError(
+                    f"map_blocks got a param of shape {tuple(full_shape(p))} for which block_spec returned None "
+                    "(or that is not in this optimizer): give it a BlockSpec, or update it element-wise on local(p)"
+                )
+            specs[id(p)] = spec
+        return specs[id(p)]
+
+    def _routing(self, group) -> _Routing:
+        routing = self.__dict__.setdefault("_block_routing", {})
+        if id(group) not in routing:
+            members = [
+                (p, s)
+                for g in self.param_groups
+                for p in g["params"]
+                if process_group(p) is group and (s := self.block_spec(p, g)) is not None
+            ]
+            routing[id(group)] = _Routing(members, group, lambda p, s, n: self.block_cost(p, s, n))
+        return routing[id(group)]
+
+    def map_blocks(
+        self,
+        fn: Callable[[list[Block]], list[Tensor]],
+        params: Sequence[Tensor],
+        inputs: Sequence[Tensor | Sequence[Tensor]],
+        *,
+        out: Sequence[Tensor] | None = None,
+        local_blocks: bool = True,
+        wire_dtype: torch.dtype | str | None = None,
+    ) -> list[Tensor]:
+        """Run ``fn`` on every block of ``params`` that this rank computes, and put each block's result back where
+        the block's elements live.
+
+        ``inputs[k]``: a tensor, or a tuple of tensors, shaped like ``local(params[k])`` (a grad, a momentum
+        buffer, the param itself). ``fn(blocks) -> results`` is called once, with every block this rank computes
+        (:class:`Block`), and returns one tensor of ``block.numel`` elements per block. Blocks cut by a rank
+        boundary are gathered to their owner first and their results scattered back: one ``all_to_all`` each way
+        per process group for all of them (none when no block needs another rank's data). Returns, per param, a
+        tensor shaped like ``local(params[k])`` holding the results (``out[k]`` when given: results are written
+        into it; a result that *is* the block's view of ``out[k]`` is not copied). ``local_blocks=False``: ``fn``
+        sees only the gathered blocks, and elements of blocks held whole are left as they are in ``out``.
+        ``wire_dtype``: the dtype pieces travel in (default: the input's), or ``"int8"`` / ``"fp8_e4m3"``.
+
+        A collective for distributed params: every rank of a group calls it with the same ``params``."""
+        params = list(params)
+        inputs = [tuple(x) if isinstance(x, list | tuple) else (x,) for x in inputs]
+        if len(inputs) != len(params) or (out is not None and len(out) != len(params)):
+            raise ValueError(
+                f"map_blocks: got {len(params)} params, {len(inputs)} inputs"
+                + ("" if out is None else f" and {len(out)} outputs")
+                + "; give one input (a tensor or a tuple of tensors) per param"
+            )
+        flats = [[t.reshape(-1) for t in xs] for xs in inputs]
+        if out is None:  # zeros: elements of a block no one computes (a spec the layout was not planned for) stay 0
+            out = [torch.zeros_like(local(p), dtype=xs[0].dtype) for p, xs in zip(params, inputs)]
+        out_flat = [o.view(-1) if o.is_contiguous() else o.reshape(-1) for o in out]
+        for p, xs in zip(params, inputs):
+            n = local(p).numel()
+            if any(t.numel() != n for t in xs):
+                raise ValueError(
+                    f"map_blocks: an input has {[t.numel() for t in xs]} elements for a param whose local tensor "
+                    f"has {n}: inputs must be shaped like local(p)"
+                )
+        blocks: list[Block] = []
+        sinks: list[tuple] = []  # per block: ("local", k, lo-relative start) or ("routed", group key, route index)
+        by_group: dict[int, tuple[Any, list[int]]] = {}
+        for k, p in enumerate(params):
+            pg = process_group(p)
+            if pg is not None:
+                by_group.setdefault(id(pg), (pg, []))[1].append(k)
+        routed_starts: dict[int, set[int]] = {}
+        gathered: dict[int, tuple] = {}
+        for key, (pg, ks) in by_group.items():
+            routing = self._routing(pg)
+            idx, gather_x, scatter_x = routing.exchange([params[k] for k in ks], len(inputs[ks[0]]))
+            n_routes = len(scatter_x.routes)
+            pieces: list[Tensor | None] = [None] * (n_routes * len(inputs[ks[0]]))
+            for k, ris in zip(ks, idx):
+                lo, hi = local_range(params[k])
+                routed_starts[k] = {s for s, _, _ in routing.routed[id(params[k])]}
+                for ri, (s, e, _) in zip(ris, routing.routed[id(params[k])]):
+                    a, b = max(lo, s), min(hi, e)
+                    if b > a:
+                        for j, f in enumerate(flats[k]):
+                            pieces[j * n_routes + ri] = f[a - lo : b - lo].to(flats[ks[0]][0].dtype)
+            dtype = flats[ks[0]][0].dtype  # the same on every rank, whichever pieces this one holds
+            full = gather_x.gather(pieces, wire_dtype or dtype, dtype=dtype) if n_routes else {}
+            gathered[key] = (ks, idx, scatter_x, n_routes)
+            for k, ris in zip(ks, idx):
+                spec = self._spec_of(params[k])
+                for ri, (s, e, _) in zip(ris, routing.routed[id(params[k])]):
+                    if ri in full:
+                        shape = spec.block_shape(s, e)
+                        vals = tuple(full[j * n_routes + ri].view(shape) for j in range(len(flats[k])))
+                        blocks.append(Block(params[k], spec.block_index(s), s, e, shape, vals, True))
+                        sinks.append(("routed", key, ri))
+        if local_blocks:
+            for k, p in enumerate(params):
+                spec = self._spec_of(p)
+                lo, hi = local_range(p)
+                numel = max(1, int(torch.Size(full_shape(p)).numel()))
+                for s, e in _local_block_spans(spec, lo, hi, numel, routed_starts.get(k, set())):
+                    shape = spec.block_shape(s, e)
+                    vals = tuple(f[s - lo : e - lo].view(shape) for f in flats[k])
+                    blocks.append(Block(p, spec.block_index(s), s, e, shape, vals, False))
+                    sinks.append(("local", k, s - lo))
+        results = fn(blocks) if blocks else []
+        if len(results) != len(blocks):
+            raise ValueError(f"map_blocks: fn returned {len(results)} results for {len(blocks)} blocks")
+        owned: dict[int, dict[int, Tensor]] = {key: {} for key in gathered}
+        for block, r, sink in zip(blocks, results, sinks):
+            if r.numel() != block.numel:
+                raise ValueError(
+                    f"map_blocks: fn returned {r.numel()} elements for a block of {block.numel} (shape {block.shape})"
+                )
+            if sink[0] == "routed":
+                owned[sink[1]][sink[2]] = r.reshape(-1)
+            else:
+                dst = out_flat[sink[1]][sink[2] : sink[2] + block.numel]
+                if r.data_ptr() != dst.data_ptr():
+                    dst.copy_(r.reshape(-1))
+        for key, (ks, idx, scatter_x, n_routes) in gathered.items():
+            if not n_routes:
+                continue
+            dtype = out_flat[ks[0]].dtype
+            back = scatter_x.scatter(owned[key], wire_dtype or dtype, dtype=dtype)
+            routing = self._routing(by_group[key][0])
+            for k, ris in zip(ks, idx):
+                lo, hi = local_range(params[k])
+                for ri, (s, e, _) in zip(ris, routing.routed[id(params[k])]):
+                    a, b = max(lo, s), min(hi, e)
+                    if b > a:
+                        out_flat[k][a - lo : b - lo].copy_(back[ri])
+        for o, f in zip(out, out_flat):
+            if not o.is_contiguous():
+                o.copy_(f.view(o.shape))
+        return list(out)
