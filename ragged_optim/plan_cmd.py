@@ -138,8 +138,7 @@ def plan_model(
 
     Returns the summary (the keys ``plan --json`` prints) plus ``"_rows"``: one dict per distinct unit, with
     ``count`` units behind it (``owner_moved_*`` and the owner compute balance over all of them: identical units get
-    different owners), and with
-    ``return_layouts=True`` ``"_units"``: ``(unit, layout)`` for every unit, owners final.
+    different owners); with ``return_layouts=True`` also ``"_units"``: ``(unit, layout)`` per unit, owners final.
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1 (the number of ranks), got {world_size!r}")
