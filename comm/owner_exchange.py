@@ -79,14 +79,16 @@ class OwnerExchange:
         all_to_all_flat(recv, send, recv_sizes, sizes(send_lists, lambda n: n), group=self.group)
         return list(torch.split(recv.to(dtype), [hi - lo for lst in recv_lists for _, lo, hi in lst]))
 
-    def gather(self, local: list[torch.Tensor | None], wire=None, dtype: torch.dtype | None = None) -> dict:
+    def gather(self, local: list[torch.Tensor | None], wire=None, dtype=None, device=None) -> dict:
         """``local[i]``: this rank's piece of route i (1-D, its pieces' length; None if it holds none).
         Returns ``{route index: full 1-D block}`` for the routes this rank owns. ``wire``: the dtype on the wire
-        (default: the pieces'), or ``"int8"`` / ``"fp8_e4m3"`` for block-quantized pieces. ``dtype``: the blocks'
-        dtype (default: the pieces'; give it when a rank may hold no piece, so that every rank agrees)."""
+        (default: the pieces'), or ``"int8"`` / ``"fp8_e4m3"`` for block-quantized pieces. ``dtype``, ``device``: the
+        blocks' (default: the pieces'; give them when a rank may hold no piece, so that every rank agrees and no
+        buffer is made off the params' device)."""
         if dtype is None:
             dtype = next((t.dtype for t in local if t is not None), torch.float32)
-        device = next((t.device for t in local if t is not None), torch.device("cpu"))
+        if device is None:
+            device = next((t.device for t in local if t is not None), torch.device("cpu"))
         full = {ri: torch.empty(self.routes[ri].numel, dtype=dtype, device=device) for ri in self.owned}
         if self.needs_wire:
             parts = [local[ri] for s in self.send for ri, _, _ in s]  # a rank holds one piece of a block
@@ -101,13 +103,14 @@ class OwnerExchange:
                 full[ri][lo:hi] = local[ri].to(dtype)
         return full
 
-    def scatter(self, results: dict, wire=None, dtype: torch.dtype | None = None) -> dict:
+    def scatter(self, results: dict, wire=None, dtype=None, device=None) -> dict:
         """``results``: ``{route index: full 1-D block}`` for the routes this rank owns. Returns
         ``{route index: this rank's piece}`` for every route this rank holds a piece of (in ``dtype``, default the
-        results'; give it when a rank may own no block, so that every rank agrees)."""
+        results'; give it, and ``device``, when a rank may own no block, so that every rank agrees)."""
         if dtype is None:
             dtype = next((t.dtype for t in results.values()), torch.float32)
-        device = next((t.device for t in results.values()), torch.device("cpu"))
+        if device is None:
+            device = next((t.device for t in results.values()), torch.device("cpu"))
         out = {}
         if self.needs_wire:
             parts = [results[ri][lo:hi] for s in self.recv for ri, lo, hi in s]

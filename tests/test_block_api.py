@@ -265,20 +265,21 @@ def test_block_geometry():
     assert ro.BlockSpec(15, 35) == ro.BlockSpec.rows(3, (7, 5))
 
 
-def _docs_example():
-    """The MuonLite class from docs/custom_optimizer.md, executed as written."""
+def _example(path, name):
+    """The class ``name`` from the first python block of ``path`` that defines it, executed as written."""
     import re
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parent.parent / "docs" / "custom_optimizer.md").read_text()
-    code = re.search(r"```python\n(.*?)```", text, re.S).group(1)
-    namespace: dict = {}
-    exec(compile(code, "docs/custom_optimizer.md", "exec"), namespace)
-    return namespace["MuonLite"]
+    text = (Path(__file__).resolve().parent.parent / path).read_text()
+    code = next(c for c in re.findall(r"```python\n(.*?)```", text, re.S) if f"class {name}(" in c)
+    namespace: dict = {"torch": torch, "ro": ro}  # the README's snippets assume these imports
+    exec(compile(code, path, "exec"), namespace)
+    return namespace[name]
 
 
-def test_docs_example_matches_one_process_on_ragged_and_fsdp2():
-    muon_lite = _docs_example()
+@pytest.mark.parametrize("path,name", [("docs/custom_optimizer.md", "MuonLite"), ("README.md", "BandSign")])
+def test_docs_example_matches_one_process_on_ragged_and_fsdp2(path, name):
+    example = _example(path, name)
 
     def fsdp2(model):
         from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -289,7 +290,7 @@ def test_docs_example_matches_one_process_on_ragged_and_fsdp2():
     for shard_fn in (None, fsdp2):
         assert_sharded_matches_single(
             model_fn,
-            lambda m: muon_lite(m.parameters()),
+            lambda m: example(m.parameters()),
             world_size=3,
             steps=2,
             rtol=1e-5,

@@ -192,6 +192,12 @@ class _Routing:
             for (entry, j, _, _, pieces), owner in zip(pending, owners):
                 s, e, _ = entry[j]
                 entry[j] = (s, e, BlockRoute(e - s, owner, pieces))
+        # A block its owner holds whole moves no data: the owner computes it in place, as a local block (no copy into
+        # a gather buffer, no result kept for a scatter). Routes are global, so every rank drops the same ones.
+        for p, _ in members:
+            self.routed[id(p)] = [
+                (s, e, r) for s, e, r in self.routed[id(p)] if not (len(r.pieces) == 1 and r.pieces[0][0] == r.owner)
+            ]
         self._exchanges: dict[tuple, tuple] = {}
 
     def exchange(self, params: list[Tensor], n_inputs: int) -> tuple[list[list[int]], OwnerExchange, OwnerExchange]:
@@ -256,6 +262,7 @@ class BlockOptimizer(torch.optim.Optimizer):
             allow_split=self._block_allow_split,
         )
         self.__dict__.pop("_block_routing", None)
+        self.__dict__.pop("_block_specs", None)
 
     def _lock_block_layouts(self) -> None:
         if not self.__dict__.get("_layouts_locked"):
@@ -305,9 +312,11 @@ class BlockOptimizer(torch.optim.Optimizer):
         (:class:`Block`), and returns one tensor of ``block.numel`` elements per block. Blocks cut by a rank
         boundary are gathered to their owner first and their results scattered back: one ``all_to_all`` each way
         per process group for all of them (none when no block needs another rank's data). Returns, per param, a
-        tensor shaped like ``local(params[k])`` holding the results (``out[k]`` when given: results are written
-        into it; a result that *is* the block's view of ``out[k]`` is not copied). ``local_blocks=False``: ``fn``
-        sees only the gathered blocks, and elements of blocks held whole are left as they are in ``out``.
+        tensor shaped like ``local(params[k])`` holding the results: ``out[k]`` when given (results are written
+        into it; a result that *is* the block's view of ``out[k]`` is not copied); else ``fn``'s own result when
+        one block is the param's whole local tensor (no copy), or a new tensor in the first input's dtype.
+        ``local_blocks=False``: ``fn`` sees only the gathered blocks, and elements of blocks held whole are left as
+        they are in ``out``.
         ``wire_dtype``: the dtype pieces travel in (default: the input's), or ``"int8"`` / ``"fp8_e4m3"``.
 
         A collective for distributed params: every rank of a group calls it with the same ``params``."""
@@ -319,50 +328,19 @@ class BlockOptimizer(torch.optim.Optimizer):
                 + ("" if out is None else f" and {len(out)} outputs")
                 + "; give one input (a tensor or a tuple of tensors) per param"
             )
-        flats = [[t.reshape(-1) for t in xs] for xs in inputs]
-        if out is None:  # zeros: elements of a block no one computes (a spec the layout was not planned for) stay 0
-            out = [torch.zeros_like(local(p), dtype=xs[0].dtype) for p, xs in zip(params, inputs)]
-        out_flat = [o.view(-1) if o.is_contiguous() else o.reshape(-1) for o in out]
         for p, xs in zip(params, inputs):
+            self._spec_of(p)  # a param without a spec (or not in this optimizer) is refused here, on every rank
             n = local(p).numel()
             if any(t.numel() != n for t in xs):
                 raise ValueError(
                     f"map_blocks: an input has {[t.numel() for t in xs]} elements for a param whose local tensor "
                     f"has {n}: inputs must be shaped like local(p)"
                 )
+        flats = [[t.reshape(-1) for t in xs] for xs in inputs]
+        outs = _Outputs(params, flats, out)
         blocks: list[Block] = []
         sinks: list[tuple] = []  # per block: ("local", k, lo-relative start) or ("routed", group key, route index)
-        by_group: dict[int, tuple[Any, list[int]]] = {}
-        for k, p in enumerate(params):
-            pg = process_group(p)
-            if pg is not None:
-                by_group.setdefault(id(pg), (pg, []))[1].append(k)
-        routed_starts: dict[int, set[int]] = {}
-        gathered: dict[int, tuple] = {}
-        for key, (pg, ks) in by_group.items():
-            routing = self._routing(pg)
-            idx, gather_x, scatter_x = routing.exchange([params[k] for k in ks], len(inputs[ks[0]]))
-            n_routes = len(scatter_x.routes)
-            pieces: list[Tensor | None] = [None] * (n_routes * len(inputs[ks[0]]))
-            for k, ris in zip(ks, idx):
-                lo, hi = local_range(params[k])
-                routed_starts[k] = {s for s, _, _ in routing.routed[id(params[k])]}
-                for ri, (s, e, _) in zip(ris, routing.routed[id(params[k])]):
-                    a, b = max(lo, s), min(hi, e)
-                    if b > a:
-                        for j, f in enumerate(flats[k]):
-                            pieces[j * n_routes + ri] = f[a - lo : b - lo].to(flats[ks[0]][0].dtype)
-            dtype = flats[ks[0]][0].dtype  # the same on every rank, whichever pieces this one holds
-            full = gather_x.gather(pieces, wire_dtype or dtype, dtype=dtype) if n_routes else {}
-            gathered[key] = (ks, idx, scatter_x, n_routes)
-            for k, ris in zip(ks, idx):
-                spec = self._spec_of(params[k])
-                for ri, (s, e, _) in zip(ris, routing.routed[id(params[k])]):
-                    if ri in full:
-                        shape = spec.block_shape(s, e)
-                        vals = tuple(full[j * n_routes + ri].view(shape) for j in range(len(flats[k])))
-                        blocks.append(Block(params[k], spec.block_index(s), s, e, shape, vals, True))
-                        sinks.append(("routed", key, ri))
+        exchanges, routed_starts = self._gather_cut_blocks(params, flats, wire_dtype, blocks, sinks)
         if local_blocks:
             for k, p in enumerate(params):
                 spec = self._spec_of(p)
@@ -376,7 +354,7 @@ class BlockOptimizer(torch.optim.Optimizer):
         results = fn(blocks) if blocks else []
         if len(results) != len(blocks):
             raise ValueError(f"map_blocks: fn returned {len(results)} results for {len(blocks)} blocks")
-        owned: dict[int, dict[int, Tensor]] = {key: {} for key in gathered}
+        owned: dict[int, dict[int, Tensor]] = {key: {} for key in exchanges}
         for block, r, sink in zip(blocks, results, sinks):
             if r.numel() != block.numel:
                 raise ValueError(
@@ -385,22 +363,99 @@ class BlockOptimizer(torch.optim.Optimizer):
             if sink[0] == "routed":
                 owned[sink[1]][sink[2]] = r.reshape(-1)
             else:
-                dst = out_flat[sink[1]][sink[2] : sink[2] + block.numel]
-                if r.data_ptr() != dst.data_ptr():
-                    dst.copy_(r.reshape(-1))
-        for key, (ks, idx, scatter_x, n_routes) in gathered.items():
-            if not n_routes:
-                continue
-            dtype = out_flat[ks[0]].dtype
-            back = scatter_x.scatter(owned[key], wire_dtype or dtype, dtype=dtype)
-            routing = self._routing(by_group[key][0])
+                outs.put(sink[1], sink[2], r)
+        for key, (pg, ks, idx, scatter_x) in exchanges.items():
+            k0 = ks[0]
+            back = scatter_x.scatter(
+                owned[key], wire_dtype or outs.dtype(k0), dtype=outs.dtype(k0), device=flats[k0][0].device
+            )
+            routed = self._routing(pg).routed
             for k, ris in zip(ks, idx):
                 lo, hi = local_range(params[k])
-                for ri, (s, e, _) in zip(ris, routing.routed[id(params[k])]):
+                for ri, (s, e, _) in zip(ris, routed[id(params[k])]):
                     a, b = max(lo, s), min(hi, e)
                     if b > a:
-                        out_flat[k][a - lo : b - lo].copy_(back[ri])
-        for o, f in zip(out, out_flat):
-            if not o.is_contiguous():
-                o.copy_(f.view(o.shape))
-        return list(out)
+                        outs.put(k, a - lo, back[ri])
+        return outs.finish()
+
+    def _gather_cut_blocks(self, params, flats, wire_dtype, blocks: list, sinks: list) -> tuple[dict, dict]:
+        """Gather the routed blocks of ``params`` to their owners (one all_to_all per process group) and append the
+        ones this rank owns to ``blocks``. Returns the exchanges to scatter results back with, per group, and per
+        param the starts of its routed blocks (not computed where they lie)."""
+        by_group: dict[int, tuple[Any, list[int]]] = {}
+        for k, p in enumerate(params):
+            pg = process_group(p)
+            if pg is not None:
+                by_group.setdefault(id(pg), (pg, []))[1].append(k)
+        exchanges: dict[int, tuple] = {}
+        routed_starts: dict[int, set[int]] = {}
+        for key, (pg, ks) in by_group.items():
+            routed = self._routing(pg).routed
+            n_inputs = len(flats[ks[0]])
+            idx, gather_x, scatter_x = self._routing(pg).exchange([params[k] for k in ks], n_inputs)
+            for k in ks:
+                routed_starts[k] = {s for s, _, _ in routed[id(params[k])]}
+            n_routes = len(scatter_x.routes)
+            if not n_routes:
+                continue
+            dtype, device = flats[ks[0]][0].dtype, flats[ks[0]][0].device  # the same on every rank
+            pieces: list[Tensor | None] = [None] * (n_routes * n_inputs)
+            for k, ris in zip(ks, idx):
+                lo, hi = local_range(params[k])
+                for ri, (s, e, _) in zip(ris, routed[id(params[k])]):
+                    a, b = max(lo, s), min(hi, e)
+                    if b > a:
+                        for j, f in enumerate(flats[k]):
+                            pieces[j * n_routes + ri] = f[a - lo : b - lo].to(dtype)
+            full = gather_x.gather(pieces, wire_dtype or dtype, dtype=dtype, device=device)
+            exchanges[key] = (pg, ks, idx, scatter_x)
+            for k, ris in zip(ks, idx):
+                spec = self._spec_of(params[k])
+                for ri, (s, e, _) in zip(ris, routed[id(params[k])]):
+                    if ri in full:
+                        shape = spec.block_shape(s, e)
+                        vals = tuple(full[j * n_routes + ri].view(shape) for j in range(n_inputs))
+                        blocks.append(Block(params[k], spec.block_index(s), s, e, shape, vals, True))
+                        sinks.append(("routed", key, ri))
+        return exchanges, routed_starts
+
+
+class _Outputs:
+    """The per-param results of :meth:`BlockOptimizer.map_blocks`. Given ``out`` tensors are written into. Otherwise
+    a param whose one block is its whole local tensor returns ``fn``'s result itself (no copy: a plain or owner-held
+    matrix), and the others get a zero tensor in the first input's dtype (elements of a block nobody computes, a
+    spec the layout was not planned for, stay 0)."""
+
+    def __init__(self, params, flats, out) -> None:
+        self.params, self.flats, self.given = params, flats, out is not None
+        self.out = list(out) if out is not None else [None] * len(params)
+        self.flat = [None if o is None else (o.view(-1) if o.is_contiguous() else o.reshape(-1)) for o in self.out]
+
+    def dtype(self, k: int) -> torch.dtype:
+        return self.out[k].dtype if self.given else self.flats[k][0].dtype
+
+    def put(self, k: int, offset: int, r: Tensor) -> None:
+        n = r.numel()
+        if self.flat[k] is None:
+            whole = offset == 0 and n == self.flats[k][0].numel()
+            if whole and not any(_shares_storage(r, f) for f in self.flats[k]):
+                self.out[k] = r.reshape(local(self.params[k]).shape)
+                self.flat[k] = self.out[k].reshape(-1)
+                return
+            self.out[k] = torch.zeros_like(local(self.params[k]), dtype=self.dtype(k))
+            self.flat[k] = self.out[k].view(-1)
+        dst = self.flat[k][offset : offset + n]
+        if r.data_ptr() != dst.data_ptr():
+            dst.copy_(r.reshape(-1))
+
+    def finish(self) -> list[Tensor]:
+        for k, o in enumerate(self.out):
+            if o is None:
+                self.out[k] = torch.zeros_like(local(self.params[k]), dtype=self.dtype(k))
+            elif self.given and not o.is_contiguous():
+                o.copy_(self.flat[k].view(o.shape))
+        return self.out
+
+
+def _shares_storage(a: Tensor, b: Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
