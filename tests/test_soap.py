@@ -285,6 +285,24 @@ def test_eigh_failure_retries_in_float64_then_keeps_identity(monkeypatch):
     assert torch.equal(opt2.state[p2]["bands"][0]["Q_L"], torch.eye(3))
 
 
+def test_groups_with_their_own_band_height_and_a_tensor_lr():
+    """max_preconditioner_dim per group gives each param its group's bands; a tensor lr steps as the float."""
+    gen = torch.Generator().manual_seed(6)
+    a, b = torch.randn(6, 3, generator=gen), torch.randn(6, 3, generator=gen)
+    runs = []
+    for lr in (0.01, torch.tensor(0.01, dtype=torch.float64)):
+        ps = [a.clone().requires_grad_(), b.clone().requires_grad_()]
+        opt = SOAP([{"params": [ps[0]], "max_preconditioner_dim": 2}, {"params": [ps[1]]}], lr=lr)
+        for step in range(3):
+            for p in ps:
+                p.grad = torch.randn(6, 3, generator=torch.Generator().manual_seed(step))
+            opt.step()
+        assert sorted(opt.state[ps[0]]["bands"]) == [0, 1, 2] and sorted(opt.state[ps[1]]["bands"]) == [0]
+        assert "R" not in opt.state[ps[0]]["bands"][0] and "R" in opt.state[ps[1]]["bands"][0]  # 3 cols > 2
+        runs.append([p.detach().clone() for p in ps])
+    assert all(torch.equal(x, y) for x, y in zip(*runs))
+
+
 def test_nonfinite_grad_skips_the_step_and_changes_no_state():
     p = torch.randn(4, 5, requires_grad=True)
     opt = SOAP([p], precondition_frequency=1)
@@ -550,9 +568,9 @@ CKPT_CASE = (CKPT_SHAPES, 11, 4, dict(OPTS))
 SAVE_AT, TOTAL = 3, STEPS + 2
 
 
-def _band_states(model, opt):
+def _band_states(model, opt, sd=None):
     """Every band tensor, gathered to its one-process form: {(param, band, name): tensor}."""
-    sd = ro.get_full_optimizer_state_dict(model, opt)
+    sd = ro.get_full_optimizer_state_dict(model, opt) if sd is None else sd
     bands = {i: st_.get("bands", {}) for i, st_ in sd["state"].items()}
     return {(i, k, n): t for i, bs in bands.items() for k, b in bs.items() for n, t in b.items()}
 
@@ -580,16 +598,18 @@ def _ckpt_resume(rank, world_size, path):
     opt = SOAP(model.ordered(), max_preconditioner_dim=4, **OPTS)
     step = ro.load_checkpoint(path, model, [opt])["step"]
     mine = sorted((i, k) for i, p in enumerate(model.ordered()) for k in opt.state[p].get("bands", {}))
-    restored = _band_states(model, opt)
+    export = ro.get_full_optimizer_state_dict(model, opt)  # the one-process optimizer's state dict
+    at_load = [ro.full_tensor(p).clone() for p in model.ordered()]
     _train(model, opt, step, TOTAL)
-    return restored, mine, [ro.full_tensor(p).clone() for p in model.ordered()]
+    return _band_states(model, opt, export), mine, [ro.full_tensor(p).clone() for p in model.ordered()], export, at_load
 
 
 @pytest.mark.parametrize("w_save,w_load", [(4, 3), (1, 5)])
 def test_checkpoint_moves_bands_across_world_sizes(tmp_path, w_save, w_load):
     """ro.save_checkpoint / load_checkpoint: every band restored bitwise at another world size, each band's state
     read by exactly the rank that computes it now (before the block API's blocks_computed_here, every rank read
-    every band: stale copies that later exports could pick), and training continues as one process does."""
+    every band: stale copies that later exports could pick), and training continues as one process does; the
+    consolidated export (get_full_optimizer_state_dict) loads into a one-process SOAP that continues the same."""
     path = str(tmp_path / "ckpt")
     saved = run_on_ranks(_ckpt_save, w_save, path)[0]
     results = run_on_ranks(_ckpt_resume, w_load, path)
@@ -602,6 +622,14 @@ def test_checkpoint_moves_bands_across_world_sizes(tmp_path, w_save, w_load):
     opt = SOAP(model.ordered(), max_preconditioner_dim=4, **OPTS)
     _train(model, opt, 0, TOTAL)
     assert max(rel(a, b.detach()) for a, b in zip(results[0][2], model.ordered())) <= 1e-5
+    plain = Mats(CKPT_SHAPES, CKPT_CASE[1])
+    with torch.no_grad():
+        for p, full in zip(plain.ordered(), results[0][4]):
+            p.copy_(full)
+    plain_opt = SOAP(plain.ordered(), max_preconditioner_dim=4, **OPTS)
+    plain_opt.load_state_dict(results[0][3])
+    _train(plain, plain_opt, SAVE_AT, TOTAL)
+    assert max(rel(a.detach(), b.detach()) for a, b in zip(plain.ordered(), model.ordered())) <= 1e-5
 
 
 def test_benchmark_smoke():
