@@ -89,7 +89,7 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 def eigenbasis(factor: Tensor) -> Tensor | None:
     """The eigenvectors of a symmetric factor, as columns by descending eigenvalue; float32 that fails to converge
     is redone in float64. None when both fail."""
-    for dtype in (factor.dtype, torch.float64):
+    for dtype in dict.fromkeys((factor.dtype, torch.float64)):  # float64 once for a float64 factor
         try:
             _, q = torch.linalg.eigh(factor.to(dtype))
         except torch.linalg.LinAlgError:
