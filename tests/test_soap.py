@@ -533,6 +533,33 @@ def test_sharded_equals_one_process(world_size, cases):
                 assert all(c.get("all_to_all", 0) <= 2 for c in r[kind_j][1][1]), r[kind_j][1][1]
 
 
+HSDP_CASE = ([(9, 6), (4, 30), (10, 3)], 3, 4, dict(OPTS, normalize_grads=True))
+
+
+def _hsdp_rank(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shapes, seed, B, kw = HSDP_CASE
+    model = Mats(shapes, seed)
+    ro.fully_shard(model, mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))
+    opt = SOAP(model.ordered(), max_preconditioner_dim=B, **kw)
+    for step in range(STEPS):
+        for p, g in zip(model.ordered(), grads_for(shapes, step, seed)):
+            lo, hi = ro.local_range(p)
+            p.grad = g.reshape(-1)[lo:hi].clone()
+        opt.step()
+    return [ro.full_tensor(p).clone() for p in model.ordered()]
+
+
+def test_hsdp_equals_one_process():
+    """HSDP (ro.fully_shard on a 2 x 2 replicate x shard mesh): bands exchanged within each shard group, the 1-D
+    param's normalize_grads rms over its shards only (not the replicas); every rank equals one process."""
+    ref = one_process(HSDP_CASE)
+    gap = max(rel(a, b) for a, b in zip(one_process(HSDP_CASE, torch.get_num_threads()), ref))
+    for params in run_on_ranks(_hsdp_rank, 4):
+        assert_within_reference(max(rel(a, b) for a, b in zip(params, ref)), gap, 1.0, "SOAP on HSDP")
+
+
 def _construct_on_placements(rank, world_size):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
