@@ -1,4 +1,4 @@
-"""ragged-optim: Muon, Shampoo and 8-bit AdamW on a RaggedShard FSDP layer.
+"""ragged-optim: Muon, Shampoo, SOAP and 8-bit AdamW on a RaggedShard FSDP layer.
 
 import ragged_optim as ro
 for block in model.layers:
@@ -8,7 +8,7 @@ opt = ro.Muon(ro.muon_param_groups(model), lr=0.02)
 """
 
 from ragged_optim.checkpoint import get_full_optimizer_state_dict, load_checkpoint, save_checkpoint
-from ragged_optim.optim import AdamW8bit, Muon, Shampoo, muon_param_groups
+from ragged_optim.optim import SOAP, AdamW8bit, Muon, Shampoo, muon_param_groups
 from ragged_optim.optim.blocks import (
     Block,
     BlockOptimizer,
@@ -49,6 +49,7 @@ __all__ = [
     "local",
     "local_range",
     "Shampoo",
+    "SOAP",
     "BlockSpec",
     "CommPolicy",
     "QuantizedAllGather",

@@ -217,17 +217,15 @@ def state_kind(p: torch.Tensor, key: str, value: Any, group: dict) -> str:
     return "replicated"
 
 
-def _bands_here(opt, p: torch.Tensor, group: dict) -> set[int]:
-    """Bands of Shampoo param ``p`` that this rank computes under the current layout: the bands it holds whole,
-    and the split bands it owns."""
-    out = {k for k, _, _ in opt._local_bands(p, group)}
-    info = shard_info(p)
-    if info is not None:
-        per = opt._band_geometry(p, group["max_preconditioner_dim"])[2]
-        for ob in info.unit.layout.owned_blocks[info.index]:
-            if ob.owner == info.unit.rank:
-                out.add(ob.start // per)
-    return out
+def _bands_here(opt, p: torch.Tensor, group: dict) -> set[int] | None:
+    """Bands (blocks) of param ``p`` whose state this rank keeps under the current layout (Shampoo's and SOAP's
+    ``bands`` are keyed by block index): the blocks it holds whole and the cut blocks it owns. None: not known (an
+    optimizer that is no BlockOptimizer, or a param without blocks)."""
+    from ragged_optim.optim.blocks import BlockOptimizer
+
+    if not isinstance(opt, BlockOptimizer) or opt.block_spec(p, group) is None:
+        return None
+    return set(opt.blocks_computed_here(p))
 
 
 def _flatten_band(prefix: str, band: dict, out: dict) -> None:
@@ -549,7 +547,8 @@ def _optim_request(path, opt, p, fqn: str, group: dict, stored: dict, request: d
             request[key] = torch.empty(size, dtype=dtype, device=p.device)
         out[rest] = key
     if band_keys:
-        mine = _bands_here(opt, p, group) if hasattr(opt, "_local_bands") else set(band_keys)
+        mine = _bands_here(opt, p, group)
+        mine = set(band_keys) if mine is None else mine
         bands = {}
         for k in sorted(set(band_keys) & mine):
             entries = {}

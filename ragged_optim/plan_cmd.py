@@ -76,78 +76,130 @@ def fsdp2_padded(shape, spec: BlockSpec, world_size: int) -> int:
     return -(-d0 // mult) * mult * rest
 
 
-def _load_units(args):
-    if args.module:
-        mod_name, _, factory = args.module.partition(":")
-        if not mod_name or not factory:
-            raise ValueError(f"--module must look like pkg.mod:factory, got {args.module!r}")
-        import torch
-        import torch.nn as nn
+def _load_module(spec: str):
+    """Build the module that ``--module pkg.mod:factory`` names, on the meta device."""
+    mod_name, _, factory = spec.partition(":")
+    if not mod_name or not factory:
+        raise ValueError(f"--module must look like pkg.mod:factory, got {spec!r}")
+    import torch
+    import torch.nn as nn
 
-        fn = getattr(importlib.import_module(mod_name), factory)
-        if not callable(fn):
-            raise ValueError(
-                f"--module {args.module}: {factory} is a {type(fn).__name__}, not a callable; "
-                "name a function or class that takes no arguments and returns a torch.nn.Module"
-            )
-        try:
-            with torch.device("meta"):
-                module = fn()
-        except Exception as e:  # the user's factory: report it as bad input, not a traceback from our CLI
-            raise ValueError(
-                f"--module {args.module}: calling {factory}() failed with {type(e).__name__}: {e}; "
-                "the factory must take no arguments and build the model"
-            ) from e
-        if not isinstance(module, nn.Module):
-            raise ValueError(
-                f"--module {args.module}: {factory}() returned a {type(module).__name__}, not a torch.nn.Module; "
-                "name a function or class that builds the model"
-            )
-        return args.module, units_from_module(module)
-    if not args.model:
-        raise ValueError(f"pass --model NAME (known models: {', '.join(model_names())}) or --module pkg.mod:factory")
-    return args.model, model_units(args.model)
+    fn = getattr(importlib.import_module(mod_name), factory)
+    if not callable(fn):
+        raise ValueError(
+            f"--module {spec}: {factory} is a {type(fn).__name__}, not a callable; "
+            "name a function or class that takes no arguments and returns a torch.nn.Module"
+        )
+    try:
+        with torch.device("meta"):
+            module = fn()
+    except Exception as e:  # the user's factory: report it as bad input, not a traceback from our CLI
+        raise ValueError(
+            f"--module {spec}: calling {factory}() failed with {type(e).__name__}: {e}; "
+            "the factory must take no arguments and build the model"
+        ) from e
+    if not isinstance(module, nn.Module):
+        raise ValueError(
+            f"--module {spec}: {factory}() returned a {type(module).__name__}, not a torch.nn.Module; "
+            "name a function or class that builds the model"
+        )
+    return module
 
 
-def run_plan(args) -> dict:
-    """Plan all units; returns the summary dict (the --json object) plus per-unit rows under '_rows'."""
-    name, units = _load_units(args)
-    W, g = args.world_size, args.granularity
-    total = padded = split_blocks = split_elems = 0
-    fsdp2_total = 0
+def _units_of(model) -> tuple[str, list]:
+    if isinstance(model, str):
+        return model, model_units(model)  # an unknown name: a ValueError listing the known ones
+    import torch.nn as nn
+
+    if isinstance(model, nn.Module):
+        return type(model).__name__, units_from_module(model)
+    raise ValueError(
+        f"model must be a catalog model name ({', '.join(model_names())}) or a torch.nn.Module "
+        f"(build large ones on the meta device), got {type(model).__name__}"
+    )
+
+
+def plan_model(
+    model,
+    world_size: int,
+    *,
+    granularity: int = 1,
+    optimizer: str | None = None,
+    allow_split: bool = True,
+    itemsize: int = 4,
+    alignment: int = 16,
+    return_layouts: bool = False,
+) -> dict:
+    """Plan every FSDP unit of ``model`` at ``world_size`` ranks, as ``ragged-optim plan`` does; the Python entry.
+
+    ``model``: a catalog name (``ragged_optim.sharding.catalog.model_names()``) or an ``nn.Module`` (only shapes
+    are read: build a large one on the meta device). Block specs come from ``optimizer`` and ``granularity`` (see
+    the module doc). Owners of owner-computed blocks are balanced over all units together, as the optimizers do.
+
+    Returns the summary (the keys ``plan --json`` prints) plus ``"_rows"``: one dict per distinct unit, with
+    ``count`` units behind it (``owner_moved_*`` and the owner compute balance over all of them: identical units get
+    different owners); with ``return_layouts=True`` also ``"_units"``: ``(unit, layout)`` per unit, owners final.
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1 (the number of ranks), got {world_size!r}")
+    if not isinstance(granularity, int) or granularity < 1:
+        raise ValueError(f"granularity must be an int >= 1 (rows for matrices, elements for 1-D), got {granularity!r}")
+    if optimizer is not None and optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be None or one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
+    name, units = _units_of(model)
+    W, g = world_size, granularity
+    t_plan = 0.0
+    layouts, unit_tensors, unit_seconds = [], [], []
+    for unit in units:
+        tensors = [TensorSpec(n, tuple(s), itemsize, block_spec(n, s, g, optimizer)) for n, s in unit.params]
+        t0 = time.perf_counter()
+        layouts.append(plan_unit(tensors, W, alignment=alignment, allow_split=allow_split))
+        unit_seconds.append(time.perf_counter() - t0)
+        unit_tensors.append(tensors)
+    # Owners of all units balanced together, largest matrix first, as the optimizers do (one step computes them all).
+    # The stats below read these final owners: which matrices move depends on them.
+    t0 = time.perf_counter()
+    layouts = assign_owners_jointly(layouts)
+    t_plan += sum(unit_seconds) + time.perf_counter() - t0
+    sums = dict.fromkeys(
+        ("total_elements", "padded_elements", "split_blocks", "split_elements", "owner_blocks", "owner_cut_blocks",
+         "owner_moved_blocks", "owner_moved_elements", "fsdp2_padded"),
+        0,
+    )  # fmt: skip
     loads = np.zeros(W, dtype=np.float64)
     comp = np.zeros(W, dtype=np.float64)
     rows: dict[tuple, dict] = {}
-    t_plan = 0.0
-    layouts = []
-    for unit in units:
-        tensors = [TensorSpec(n, tuple(s), args.itemsize, block_spec(n, s, g, args.optimizer)) for n, s in unit.params]
-        t0 = time.perf_counter()
-        layout = plan_unit(tensors, W, alignment=args.alignment, allow_split=not args.no_split)
-        layouts.append(layout)
-        dt = time.perf_counter() - t0
-        t_plan += dt
+    for unit, tensors, layout, dt in zip(units, unit_tensors, layouts, unit_seconds):
         st = layout_stats(layout)
         f2 = sum(fsdp2_padded(t.shape, t.spec, W) - math.prod(t.shape) for t in tensors)
-        total += st["total_elements"]
-        padded += st["padded_elements"]
-        split_blocks += st["split_blocks"]
-        split_elems += st["split_elements"]
-        fsdp2_total += f2
+        for k in sums:
+            sums[k] += f2 if k == "fsdp2_padded" else st[k]
         loads += rank_loads(layout)
+        unit_comp = owner_compute_loads(layout)
+        comp += unit_comp
         key = tuple((s, t.spec) for (_, s), t in zip(unit.params, tensors))
         row = rows.get(key)
         if row is None:
             rows[key] = row = dict(
-                st, unit=unit.name, count=0, seconds=0.0, fsdp2_padding_ratio=f2 / st["total_elements"]
+                st,
+                unit=unit.name,
+                count=0,
+                seconds=0.0,
+                fsdp2_padding_ratio=f2 / st["total_elements"],
+                owner_moved_blocks=0,
+                owner_moved_elements=0,
+                _comp=np.zeros(W, dtype=np.float64),
             )
         row["count"] += 1
         row["seconds"] += dt
-    # Owners of all units balanced together, largest matrix first, as the optimizers do (one step computes them all).
-    t0 = time.perf_counter()
-    for layout in assign_owners_jointly(layouts):
-        comp += owner_compute_loads(layout)
-    t_plan += time.perf_counter() - t0
+        row["owner_moved_blocks"] += st["owner_moved_blocks"]
+        row["owner_moved_elements"] += st["owner_moved_elements"]
+        row["_comp"] += unit_comp
+    for row in rows.values():
+        row["owner_moved_bytes_ratio"] = row["owner_moved_elements"] / (row["total_elements"] * row["count"])
+        c = row.pop("_comp")  # the row's units together: their owners were balanced with all the others
+        row["owner_compute_max_over_mean"] = float(c.max() / c.mean()) if c.sum() > 0 else None
+    total = sums["total_elements"]
     mean = total / W
     cmean = comp.sum() / W
     summary = {
@@ -155,16 +207,43 @@ def run_plan(args) -> dict:
         "world_size": W,
         "granularity": g,
         "total_elements": int(total),
-        "padded_elements": int(padded),
-        "padding_ratio": padded / total,
-        "split_blocks": int(split_blocks),
-        "split_bytes_ratio": split_elems / total,
-        "fsdp2_padding_ratio": fsdp2_total / total,
+        "padded_elements": int(sums["padded_elements"]),
+        "padding_ratio": sums["padded_elements"] / total,
+        "split_blocks": int(sums["split_blocks"]),
+        "split_bytes_ratio": sums["split_elements"] / total,
+        "owner_blocks": int(sums["owner_blocks"]),
+        "owner_cut_blocks": int(sums["owner_cut_blocks"]),
+        "owner_moved_blocks": int(sums["owner_moved_blocks"]),
+        "owner_moved_bytes_ratio": sums["owner_moved_elements"] / total,
+        "fsdp2_padding_ratio": sums["fsdp2_padded"] / total,
         "max_over_mean_load": float(loads.max() / mean),
         "owner_compute_max_over_mean": float(comp.max() / cmean) if cmean > 0 else None,
         "plan_seconds": t_plan,
     }
     summary["_rows"] = list(rows.values())
+    if return_layouts:
+        summary["_units"] = list(zip(units, layouts))
+    return summary
+
+
+def run_plan(args) -> dict:
+    """``plan_model`` for the CLI's parsed arguments (``--model`` or ``--module``)."""
+    if args.module:
+        model = _load_module(args.module)
+    elif args.model:
+        model = args.model
+    else:
+        raise ValueError(f"pass --model NAME (known models: {', '.join(model_names())}) or --module pkg.mod:factory")
+    summary = plan_model(
+        model,
+        args.world_size,
+        granularity=args.granularity,
+        optimizer=args.optimizer,
+        allow_split=not args.no_split,
+        itemsize=args.itemsize,
+        alignment=args.alignment,
+    )
+    summary["model"] = args.module or args.model
     return summary
 
 
@@ -186,8 +265,18 @@ COLUMNS = (
     ("split blk", "blocks a rank boundary cuts: gathered to one owner rank, computed there, scattered back"),
     ("split bytes", "bytes of those cut blocks that travel to and from their owners each step"),
     ("split %", "split bytes / all bytes of the unit"),
+    ("mat cut", "owner-computed blocks (Muon's whole matrices) a rank boundary cuts, per unit"),
+    (
+        "mat moved",
+        "owner-computed blocks whose owner does not hold them whole (cut, or moved for balance), all x units",
+    ),
+    ("moved %", "elements of those not on their owner (they travel there and back each step) / all elements"),
     ("load max/mean", "real elements on the fullest rank / the mean over ranks (1.000: even)"),
-    ("NS max/mean", "Newton-Schulz work (m*n*min(m,n)) of the busiest owner / the mean (Muon only; - otherwise)"),
+    (
+        "NS max/mean",
+        "Newton-Schulz work (m*n*min(m,n)) of the busiest owner / the mean, the row's x units together "
+        "(Muon only; - otherwise)",
+    ),
     ("seconds", "planner time for those units"),
 )
 
@@ -201,7 +290,8 @@ def print_table(summary: dict, itemsize: int, out=None) -> None:
     out = out or sys.stdout
     head = (
         f"{'unit':<14}{'x':>4}{'S (elems)':>14}{'padding':>10}{'fsdp2 pad':>11}{'split blk':>10}"
-        f"{'split bytes':>13}{'split %':>9}{'load max/mean':>15}{'NS max/mean':>13}{'seconds':>9}"
+        f"{'split bytes':>13}{'split %':>9}{'mat cut':>9}{'mat moved':>11}{'moved %':>9}"
+        f"{'load max/mean':>15}{'NS max/mean':>13}{'seconds':>9}"
     )
     print(
         f"model {summary['model']}  world_size {summary['world_size']}  granularity {summary['granularity']}",
@@ -212,7 +302,8 @@ def print_table(summary: dict, itemsize: int, out=None) -> None:
         print(
             f"{r['unit']:<14}{r['count']:>4}{r['shard_size']:>14}{_pct(r['padding_ratio']):>10}"
             f"{_pct(r['fsdp2_padding_ratio']):>11}{r['split_blocks']:>10}{r['split_elements'] * itemsize:>13}"
-            f"{_pct(r['split_bytes_ratio']):>9}{_ratio(r['load_max_over_mean']):>15}"
+            f"{_pct(r['split_bytes_ratio']):>9}{r['owner_cut_blocks']:>9}{r['owner_moved_blocks']:>11}"
+            f"{_pct(r['owner_moved_bytes_ratio']):>9}{_ratio(r['load_max_over_mean']):>15}"
             f"{_ratio(r['owner_compute_max_over_mean']):>13}{r['seconds']:>9.3f}",
             file=out,
         )
@@ -221,11 +312,19 @@ def print_table(summary: dict, itemsize: int, out=None) -> None:
     print(
         f"{'all units':<14}{sum(r['count'] for r in s['_rows']):>4}{'':>14}{_pct(s['padding_ratio']):>10}"
         f"{_pct(s['fsdp2_padding_ratio']):>11}{s['split_blocks']:>10}{split_bytes:>13}"
-        f"{_pct(s['split_bytes_ratio']):>9}{_ratio(s['max_over_mean_load']):>15}"
+        f"{_pct(s['split_bytes_ratio']):>9}{s['owner_cut_blocks']:>9}{s['owner_moved_blocks']:>11}"
+        f"{_pct(s['owner_moved_bytes_ratio']):>9}{_ratio(s['max_over_mean_load']):>15}"
         f"{_ratio(s['owner_compute_max_over_mean']):>13}{s['plan_seconds']:>9.3f}",
         file=out,
     )
     print(f"overhead (padding + split bytes): {_pct(s['padding_ratio'] + s['split_bytes_ratio'])}", file=out)
+    if s["owner_blocks"]:
+        print(
+            f"owner-computed blocks: {s['owner_blocks']}, {s['owner_cut_blocks']} cut by a rank boundary, "
+            f"{s['owner_moved_blocks']} computed on a rank that does not hold them whole "
+            f"({_pct(s['owner_moved_bytes_ratio'])} of the bytes travel to their owners and back each step)",
+            file=out,
+        )
     print(columns_legend(), file=out)
 
 

@@ -29,6 +29,7 @@ __all__ = [
     "default_grad",
     "matrix_shapes",
     "run_on_ranks",
+    "set_full_grad",
     "world_sizes",
 ]
 
@@ -75,22 +76,27 @@ def _snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: full_tensor(p).detach().clone() for n, p in model.named_parameters()}
 
 
+def set_full_grad(p: torch.Tensor, g: torch.Tensor) -> None:
+    """Give ``p`` this rank's part of the full gradient ``g`` (the same on every rank): its local range of a
+    ragged-sharded param, a DTensor distributed like an FSDP2 param, ``g`` itself for a plain tensor."""
+    info = shard_info(p)
+    g = g.to(p.dtype)
+    if info is not None:
+        lo, hi = info.local_range
+        p.grad = g.reshape(-1)[lo:hi].clone()
+    elif hasattr(p, "device_mesh"):
+        from torch.distributed.tensor import distribute_tensor
+
+        p.grad = distribute_tensor(g, p.device_mesh, p.placements)
+    else:
+        p.grad = g
+
+
 def _set_grads(model: nn.Module, step: int, grad_fn) -> None:
     for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        info = shard_info(p)
-        full_shape = info.shape if info is not None else p.shape
-        g = grad_fn(step, name, full_shape).to(p.dtype)
-        if info is not None:
-            lo, hi = info.local_range
-            p.grad = g.reshape(-1)[lo:hi].clone()
-        elif hasattr(p, "device_mesh"):
-            from torch.distributed.tensor import distribute_tensor
-
-            p.grad = distribute_tensor(g, p.device_mesh, p.placements)
-        else:
-            p.grad = g
+        if p.requires_grad:
+            info = shard_info(p)
+            set_full_grad(p, grad_fn(step, name, info.shape if info is not None else p.shape))
 
 
 def _run(model_fn, optimizer_fn, steps, grad_fn, shard_fn=None):

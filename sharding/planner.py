@@ -575,17 +575,38 @@ def owner_compute_loads(layout: Layout) -> np.ndarray:
     return load
 
 
+def _owner_piece(layout: Layout, i: int, block: OwnedBlock) -> int:
+    """Elements of ``block`` (of tensor i) that its owner holds: the part that does not travel."""
+    lo, hi = layout.local_range(block.owner, i)
+    return max(0, min(hi, block.end) - max(lo, block.start))
+
+
 def layout_stats(layout: Layout) -> dict:
-    """Quality figures of one plan: padding, split blocks, per-rank load and owner compute balance."""
+    """Quality figures of one plan: padding, split blocks, owner-computed blocks that are cut or moved, per-rank
+    load and owner compute balance.
+
+    ``split_*`` counts locally-computed blocks a rank boundary cuts (``OwnedBlock.split``). Owner-computed blocks
+    (Muon's whole matrices) are counted apart, with the owners the layout holds: ``owner_cut_blocks`` are the ones
+    a rank boundary cuts, ``owner_moved_blocks`` the ones whose owner does not hold them whole (every cut one, plus
+    whole ones given to another rank for balance), ``owner_moved_elements`` the elements of those that are not on
+    their owner (what travels to the owner and back each step).
+    """
     total = sum(layout.numels)
     padded = layout.total_size - total
-    split_blocks = 0
-    split_elems = 0
-    for spec, blocks in zip(layout.specs, layout.owned_blocks):
-        if spec.owner_computed:
+    split_blocks = split_elems = 0
+    owner_blocks = owner_cut = owner_moved = owner_moved_elems = 0
+    for i, (spec, blocks) in enumerate(zip(layout.specs, layout.owned_blocks)):
+        if not spec.owner_computed:
+            split_blocks += len(blocks)
+            split_elems += sum(b.end - b.start for b in blocks if b.split)
             continue
-        split_blocks += len(blocks)
-        split_elems += sum(b.end - b.start for b in blocks if b.split)
+        owner_blocks += len(blocks)
+        for b in blocks:
+            n = b.end - b.start
+            owner_cut += len(layout.ranks_of(i, b.start, b.end)) > 1
+            away = n - _owner_piece(layout, i, b)
+            owner_moved += away > 0
+            owner_moved_elems += away
     loads = rank_loads(layout)
     comp = owner_compute_loads(layout)
     mean = total / layout.world_size if layout.world_size else 0
@@ -599,6 +620,11 @@ def layout_stats(layout: Layout) -> dict:
         "split_blocks": split_blocks,
         "split_elements": split_elems,
         "split_bytes_ratio": split_elems / total if total else 0.0,
+        "owner_blocks": owner_blocks,
+        "owner_cut_blocks": owner_cut,
+        "owner_moved_blocks": owner_moved,
+        "owner_moved_elements": owner_moved_elems,
+        "owner_moved_bytes_ratio": owner_moved_elems / total if total else 0.0,
         "load_max_over_mean": float(loads.max() / mean) if total else 0.0,
         "owner_compute_max_over_mean": float(comp.max() / cmean) if cmean > 0 else None,
     }

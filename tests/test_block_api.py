@@ -16,7 +16,7 @@ from torch import nn
 import ragged_optim as ro
 from ragged_optim.comm.counter import count_collectives
 from ragged_optim.comm.launch import run_on_ranks
-from ragged_optim.testing import ShardedMismatch, assert_sharded_matches_single
+from ragged_optim.testing import ShardedMismatch, assert_sharded_matches_single, set_full_grad
 
 # ------------------------------------------------------------------ toy optimizers, written as a user would
 
@@ -102,16 +102,7 @@ def full_grads(shapes, step, seed):
 
 def set_grads(model, shapes, step, seed):
     for p, g in zip(model.ordered(), full_grads(shapes, step, seed)):
-        info = ro.shard_info(p)
-        if info is not None:
-            lo, hi = info.local_range
-            p.grad = g.reshape(-1)[lo:hi].clone()
-        elif hasattr(p, "device_mesh"):
-            from torch.distributed.tensor import distribute_tensor
-
-            p.grad = distribute_tensor(g, p.device_mesh, p.placements)
-        else:
-            p.grad = g
+        set_full_grad(p, g)
 
 
 def make_opt(model, case):

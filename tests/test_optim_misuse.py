@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from ragged_optim.optim import AdamW8bit, Muon, Shampoo, muon_param_groups
+from ragged_optim.optim import SOAP, AdamW8bit, Muon, Shampoo, muon_param_groups
 
 
 def _stepped(cls, shape=(4, 6), seed=0, **kw):
@@ -41,6 +41,9 @@ CROSS = [
     (Shampoo, AdamW8bit, "block_size"),
     (Muon, AdamW8bit, "block_size"),
     (Shampoo, Muon, "use_muon"),
+    (Shampoo, SOAP, "shampoo_beta"),
+    (SOAP, Shampoo, "grafting"),
+    (SOAP, AdamW8bit, "block_size"),
 ]
 
 
@@ -76,7 +79,7 @@ def test_saved_group_with_a_bad_value_is_refused():
     assert opt.param_groups[0]["lr"] == 1e-2
 
 
-@pytest.mark.parametrize("cls", [Muon, Shampoo, AdamW8bit])
+@pytest.mark.parametrize("cls", [Muon, Shampoo, SOAP, AdamW8bit])
 def test_own_state_dict_still_loads(cls):
     src = _stepped(cls, shape=(80, 64))  # 8-bit state for AdamW8bit
     opt = _stepped(cls, shape=(80, 64), seed=1)
@@ -124,7 +127,7 @@ def test_wrong_types_in_param_groups():
         Muon([{"params": [w], "use_muon": True, "nesterov": 1}])
 
 
-@pytest.mark.parametrize("cls", [Muon, Shampoo, AdamW8bit])
+@pytest.mark.parametrize("cls", [Muon, Shampoo, SOAP, AdamW8bit])
 def test_failed_add_param_group_of_a_wrong_type_leaves_the_optimizer_unchanged(cls):
     opt = cls([torch.zeros(4, 4, requires_grad=True)])
     with pytest.raises(TypeError, match="lr must be a real number"):

@@ -21,6 +21,10 @@ KEYS = {
     "padding_ratio",
     "split_blocks",
     "split_bytes_ratio",
+    "owner_blocks",
+    "owner_cut_blocks",
+    "owner_moved_blocks",
+    "owner_moved_bytes_ratio",
     "fsdp2_padding_ratio",
     "max_over_mean_load",
     "owner_compute_max_over_mean",
@@ -159,3 +163,64 @@ def test_bad_arguments(capsys):
     assert "alignment must be a power of two" in capsys.readouterr().err
     assert main(["plan", "--module", "no_such_pkg_xyz:f", "--world-size", "8"]) == 2
     assert "no_such_pkg_xyz" in capsys.readouterr().err
+
+
+def test_muon_plan_counts_cut_and_moved_matrices(capsys):
+    """DeepSeek-V3 at W = 8 for Muon: rank boundaries cut expert matrices and the owner balance moves some whole
+    ones. The summary counts them with the final (jointly balanced) owners, the same figures as counting each
+    matrix of the returned layouts. Before the fix the stats skipped owner-computed specs (no owner_* keys) and
+    the table read 0 split bytes."""
+    s = plan_cmd.plan_model("deepseek-v3", 8, granularity=16, optimizer="muon", return_layouts=True)
+    cut = moved = 0
+    for _unit, layout in s["_units"]:
+        for i, (spec, blocks) in enumerate(zip(layout.specs, layout.owned_blocks)):
+            if spec.owner_computed:
+                for b in blocks:
+                    ranks = list(layout.ranks_of(i, b.start, b.end))
+                    cut += len(ranks) > 1
+                    moved += ranks != [b.owner]
+    assert s["owner_cut_blocks"] == cut > 0
+    assert s["owner_moved_blocks"] == moved >= cut
+    assert 0 < s["owner_moved_bytes_ratio"] < 1
+    assert s["owner_blocks"] > 256 * 3 * 58  # every expert matrix of the 58 MoE layers is an owner-computed block
+    assert sum(r["owner_moved_blocks"] for r in s["_rows"]) == moved
+    assert (
+        main(["plan", "--model", "deepseek-v3", "--world-size", "8", "--granularity", "16", "--optimizer", "muon"]) == 0
+    )
+    out = capsys.readouterr().out
+    assert f"{cut} cut by a rank boundary, {moved} computed on a rank that does not hold them whole" in out
+
+
+def test_plan_model_is_the_cli_in_python(capsys):
+    """The Python entry gives what `plan --json` prints; bad arguments name the parameter."""
+    d = _json(capsys, "--model", "gpt-oss-20b", "--world-size", "6", "--granularity", "16", "--optimizer", "muon")
+    s = plan_cmd.plan_model("gpt-oss-20b", 6, granularity=16, optimizer="muon")
+    drop = {"plan_seconds"}
+    assert {k: v for k, v in s.items() if not k.startswith("_") and k not in drop} == {
+        k: v for k, v in d.items() if k not in drop
+    }
+    with pytest.raises(ValueError, match="world_size must be an int >= 1"):
+        plan_cmd.plan_model("llama3-8b", 0)
+    with pytest.raises(ValueError, match="granularity must be an int >= 1"):
+        plan_cmd.plan_model("llama3-8b", 8, granularity=0)
+    with pytest.raises(ValueError, match="optimizer must be None or one of muon, shampoo, adamw8bit"):
+        plan_cmd.plan_model("llama3-8b", 8, optimizer="sgd")
+    with pytest.raises(ValueError, match="model must be a catalog model name"):
+        plan_cmd.plan_model(42, 8)
+
+
+@pytest.mark.filterwarnings("ignore:enable_nested_tensor")
+def test_plan_model_takes_a_module(capsys):
+    """An nn.Module built on meta plans as `--module pkg.mod:factory` does (the same factory)."""
+    import torch
+    from torch import nn
+
+    d = _json(capsys, "--module", "torch.nn:Transformer", "--world-size", "4", "--granularity", "8")
+    with torch.device("meta"):
+        m = nn.Transformer()
+    s = plan_cmd.plan_model(m, 4, granularity=8)
+    assert s["model"] == "Transformer" and d["model"] == "torch.nn:Transformer"
+    drop = {"plan_seconds", "model"}
+    assert {k: v for k, v in s.items() if not k.startswith("_") and k not in drop} == {
+        k: v for k, v in d.items() if k not in drop
+    }

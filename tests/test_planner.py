@@ -320,3 +320,63 @@ def test_joint_owner_assignment_balances_units_largest_first():
     load = sum(owner_compute_loads(lay) for lay in joint)
     assert load.max() / load.mean() <= 1.1
     assert [lay.offsets for lay in joint] == [lay.offsets for lay in layouts]  # only owners move
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# layout_stats counts owner-computed blocks that are cut or moved (it used to skip owner-computed specs entirely,
+# so a Muon plan reported no split bytes while matrices travelled to their owners).
+
+
+def _owner_stats_by_element(layout: Layout) -> tuple[int, int, int]:
+    """Reference: (cut, moved, moved elements) of owner-computed blocks from each element's rank, one by one."""
+    cut = moved = moved_elems = 0
+    S = layout.shard_size
+    for i, (spec, blocks) in enumerate(zip(layout.specs, layout.owned_blocks)):
+        if not spec.owner_computed:
+            continue
+        for b in blocks:
+            ranks = [(layout.offsets[i] + e) // S for e in range(b.start, b.end)]
+            away = sum(r != b.owner for r in ranks)
+            cut += len(set(ranks)) > 1
+            moved += away > 0
+            moved_elems += away
+    return cut, moved, moved_elems
+
+
+def test_owner_computed_cut_and_moved_counted():
+    """Three equal 8x8 Muon matrices on 2 ranks: S = 96 elements, so the boundary cuts the middle matrix in half.
+    Fails on the old layout_stats (no owner_* keys: owner-computed specs were skipped)."""
+    ts = [TensorSpec(f"m{j}", (8, 8), 4, BlockSpec.matrices((8, 8))) for j in range(3)]
+    layout = plan_unit(ts, 2)
+    assert layout.shard_size == 96 and layout.offsets == (0, 64, 128)
+    st_ = layout_stats(layout)
+    assert (st_["owner_blocks"], st_["owner_cut_blocks"]) == (3, 1)
+    (mid,) = layout.owned_blocks[1]
+    assert (mid.start, mid.end) == (0, 64) and layout.ranks_of(1, 0, 64) == range(0, 2)
+    # The cut matrix has 32 elements on each rank: 32 travel to its owner, whichever it is.
+    assert st_["owner_moved_elements"] >= 32 and st_["owner_moved_blocks"] >= 1
+    assert (st_["owner_cut_blocks"], st_["owner_moved_blocks"], st_["owner_moved_elements"]) == (
+        _owner_stats_by_element(layout)
+    )
+    assert st_["owner_moved_bytes_ratio"] == st_["owner_moved_elements"] / 192
+    assert st_["split_blocks"] == 0  # split_* stays the locally-computed blocks' figure
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    shapes=st.lists(st.tuples(st.integers(1, 4), st.integers(1, 12), st.integers(1, 12)), min_size=1, max_size=6),
+    W=st.integers(1, 9),
+    rows=st.booleans(),
+)
+def test_owner_stats_match_element_reference(shapes, W, rows):
+    """Matrix stacks (owner-computed per matrix) mixed with a band-split tensor: the owner_* figures equal the
+    element-by-element count, with the owners the layout holds."""
+    ts = [TensorSpec(f"s{j}", s, 4, BlockSpec.matrices(s)) for j, s in enumerate(shapes)]
+    if rows:
+        ts.append(TensorSpec("bands", (10, 6), 4, BlockSpec.rows(3, (10, 6))))
+    layout = plan_unit(ts, W)
+    st_ = layout_stats(layout)
+    assert st_["owner_blocks"] == sum(s[0] for s in shapes)
+    assert (st_["owner_cut_blocks"], st_["owner_moved_blocks"], st_["owner_moved_elements"]) == (
+        _owner_stats_by_element(layout)
+    )

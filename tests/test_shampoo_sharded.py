@@ -238,3 +238,39 @@ def test_dtensor_split_and_whole_bands():
     assert all(c.get("all_to_all", 0) == 2 for r in results for c in r[1])
     whole = _check_dtensor_run([(8, 5)], 2, 1, 4, OPTS)
     assert all(c.get("all_to_all", 0) == 0 for r in whole for c in r[1])
+
+
+def _with_a_missing_grad(rank, world_size, shapes, seed, B, fsdp2):
+    """Four steps; at step 1 the first matrix gets no grad (an unused param), as users' models do."""
+    from torch.distributed.tensor import distribute_tensor
+
+    model = Mats(shapes, seed)
+    if fsdp2:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+        torch_fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
+    opt = Shampoo(model.parameters(), max_preconditioner_dim=B, **OPTS)
+    for step in range(4):
+        for i, (p, g) in enumerate(zip(model.ordered(), grads_for(shapes, step, seed))):
+            missing = step == 1 and i == 0
+            p.grad = None if missing else distribute_tensor(g, p.device_mesh, p.placements) if fsdp2 else g
+        opt.step()
+    return [(p.full_tensor() if fsdp2 else p).detach().clone() for p in model.ordered()]
+
+
+def test_band_owners_do_not_move_when_a_param_has_no_grad():
+    """Two 10 x 4 matrices over 3 FSDP2 ranks (row chunks of 4), bands of 3 rows: each has two cut bands, owned
+    by ranks balanced over all four. Owners were balanced over the params with a grad in the step: the step where
+    the first matrix had none gave the second one's bands other owners, which started fresh band state (results
+    off by the lr, not by rounding). Owners are fixed by the optimizer's param set now."""
+    shapes = [(10, 4), (10, 4)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the ranks run one thread each
+    try:
+        ref = _with_a_missing_grad(0, 1, shapes, 5, 3, False)
+    finally:
+        torch.set_num_threads(threads)
+    gap = max_rel(_with_a_missing_grad(0, 1, shapes, 5, 3, False), ref)  # what the thread count alone changes
+    got = run_on_ranks(_with_a_missing_grad, 3, shapes, 5, 3, True)[0]
+    assert_within_reference(max_rel(got, ref), gap, 1.0, "Shampoo on FSDP2 with a missing grad")

@@ -199,7 +199,7 @@ def test_cli_wiring_and_argument_errors(capsys):
 
 
 def test_optimizer_registry():
-    assert set(OPTIMIZERS) == {"adamw", "muon", "shampoo", "adamw8bit"}
+    assert set(OPTIMIZERS) == {"adamw", "muon", "shampoo", "adamw8bit", "soap"}
     model = torch.nn.Linear(4, 3)
     opt = make_optimizer("adamw", model)
     assert isinstance(opt, torch.optim.AdamW) and opt.param_groups[0]["lr"] == OPTIMIZERS["adamw"].default_lr
@@ -209,6 +209,17 @@ def test_optimizer_registry():
     assert optimizer_state_bytes(opt) >= 2 * 15 * 4
     with pytest.raises(ValueError, match="unknown optimizer"):
         make_optimizer("sgd", model)
+
+
+@pytest.mark.parametrize("fsdp", ["ours", "torch"])
+def test_train_with_soap(tmp_path, fsdp):
+    """`train --optimizer soap` on 2 ranks, ragged-sharded and torch FSDP2: the loss goes down (the first step only
+    accumulates SOAP's statistics), and the run writes its summary."""
+    argv = [*COMMON, "--steps", "5", "--world-size", "2", "--fsdp", fsdp, "--out", str(tmp_path)]
+    argv[argv.index("adamw")] = "soap"
+    assert main(argv) == 0
+    s = _summary(str(tmp_path))
+    assert s["optimizer"] == "soap" and len(s["losses"]) == 5 and s["losses"][-1] < s["losses"][0]
 
 
 def test_lr_schedule():

@@ -21,7 +21,7 @@ import time
 
 #: Every benchmark the CLI knows of, in the order ``bench all`` runs them; a module that is not there yet is
 #: listed as unavailable.
-BENCHMARKS = ("fsdp", "memory", "muon", "shampoo", "adamw8bit", "comm", "hsdp", "peers")
+BENCHMARKS = ("fsdp", "memory", "muon", "shampoo", "soap", "adamw8bit", "comm", "hsdp", "peers")
 DEFAULT_OUT_DIR = os.path.join("benchmarks", "results")
 
 

@@ -13,12 +13,18 @@ Rows, by optimizer family (the first row of each family is ours; ratios are ours
   the same split (:func:`ragged_optim.optim.muon_param_groups`), Keller Jordan's ``muon-optimizer``
   (``SingleDeviceMuonWithAuxAdam``);
 - AdamW8bit: ``ro.AdamW8bit``, fp32 ``torch.optim.AdamW``, bitsandbytes' ``AdamW8bit``, torchao's ``AdamW8bit``;
-- Shampoo: ``ro.Shampoo``, fp32 ``torch.optim.AdamW`` (the same run as above), pytorch_optimizer's ``Shampoo``.
+- Shampoo: ``ro.Shampoo``, fp32 ``torch.optim.AdamW`` (the same run as above), pytorch_optimizer's ``Shampoo``;
+- SOAP: ``ro.SOAP``, fp32 ``torch.optim.AdamW`` (the same run), pytorch_optimizer's ``SOAP`` (a port of the
+  reference implementation), both at the reference's defaults (betas (0.95, 0.95), weight decay 0.01,
+  precondition_frequency 10; every matrix of the model is one band).
 
 Per row: final validation loss per seed, its mean and spread (max - min), the median step time and the ratio ours
 / this row, optimizer state bytes per model param (every tensor the optimizer keeps, tensor subclasses by their
 inner tensors), and the largest per-element step ``max |p_t - p_{t-1}| / lr_t`` over all steps and seeds. A peer
 that is not installed (``pip install 'ragged-optim[peers]'``) or fails is a row with its reason.
+
+Targets (issue 19): ``soap_val_loss_minus_peer`` within ``soap_peer_seed_spread``, and
+``soap_val_loss_ratio_vs_adamw`` < 1 (mean over seeds of the per-seed ratio).
 
 Targets (issue 18): ``adamw8bit_max_step_over_lr`` <= 2, ``adamw8bit_val_loss_ratio_vs_fp32`` <= 1.01 (mean over
 seeds of the per-seed ratio), ``muon_step_time_ratio_vs_torch`` <= 1 (ours with ``ns_matmul="native"`` and the
@@ -36,7 +42,7 @@ from typing import Any
 
 import torch
 
-DESCRIPTION = "Muon, AdamW8bit, Shampoo vs their peers on the small GPT: loss, step time, state bytes, max step"
+DESCRIPTION = "Muon, AdamW8bit, Shampoo, SOAP vs their peers on the small GPT: loss, step time, state bytes, max step"
 
 PRESET = "small"
 DEFAULT_STEPS = 300
@@ -46,6 +52,7 @@ EVAL_BATCHES = 4
 ADAM_LR, BETAS, EPS, WEIGHT_DECAY = 3e-3, (0.9, 0.95), 1e-8, 0.01
 MUON_LR, MUON_MOMENTUM = 0.02, 0.95
 SHAMPOO_LR = 3e-3
+SOAP_LR = 3e-3
 
 
 def lr_multiplier(step: int, steps: int) -> float:
@@ -140,6 +147,14 @@ def _make(row: str, model) -> Any:
         from pytorch_optimizer import Shampoo as PeerShampoo
 
         return PeerShampoo(params, lr=SHAMPOO_LR, momentum=BETAS[0], weight_decay=WEIGHT_DECAY, weight_decouple=True)
+    if row == "ro.SOAP":
+        from ragged_optim.optim import SOAP
+
+        return SOAP(params, lr=SOAP_LR, weight_decay=WEIGHT_DECAY)
+    if row == "pytorch_optimizer SOAP":
+        from pytorch_optimizer import SOAP as PeerSOAP
+
+        return PeerSOAP(params, lr=SOAP_LR, weight_decay=WEIGHT_DECAY)
     raise ValueError(f"unknown row {row!r}")
 
 
@@ -148,6 +163,7 @@ FAMILIES = {
     "muon": ("ro.Muon", "ro.Muon native NS", "torch.optim.Muon+AdamW", "muon-optimizer (Keller Jordan)"),
     "adamw8bit": ("ro.AdamW8bit", "torch.optim.AdamW (fp32)", "bitsandbytes AdamW8bit", "torchao AdamW8bit"),
     "shampoo": ("ro.Shampoo", "torch.optim.AdamW (fp32)", "pytorch_optimizer Shampoo"),
+    "soap": ("ro.SOAP", "torch.optim.AdamW (fp32)", "pytorch_optimizer SOAP"),
 }
 
 
@@ -298,7 +314,7 @@ def run(world_size: int | None = None, steps: int | None = None, *, seeds=DEFAUL
         "harness": "one process; same init and batches per seed; order rotated every step; only opt.step() timed",
         "families": tables,
     }
-    table = {row: r for fam in ("shampoo", "adamw8bit", "muon") for row, r in tables.get(fam, {}).items()}
+    table = {row: r for fam in ("soap", "shampoo", "adamw8bit", "muon") for row, r in tables.get(fam, {}).items()}
 
     def ok(row):
         return table.get(row, {}).get("status") == "ok"
@@ -317,6 +333,17 @@ def run(world_size: int | None = None, steps: int | None = None, *, seeds=DEFAUL
             bnb = table["bitsandbytes AdamW8bit"]
             out["adamw8bit_val_loss_minus_bnb"] = table["ro.AdamW8bit"]["val_loss_mean"] - bnb["val_loss_mean"]
             out["adamw8bit_bnb_seed_spread"] = bnb["val_loss_spread"]
+    if ok("ro.SOAP"):
+        soap = table["ro.SOAP"]
+        if ok("torch.optim.AdamW (fp32)"):
+            adamw = table["torch.optim.AdamW (fp32)"]["val_loss_per_seed"]
+            out["soap_val_loss_ratio_vs_adamw"] = statistics.fmean(
+                a / b for a, b in zip(soap["val_loss_per_seed"], adamw)
+            )
+        if ok("pytorch_optimizer SOAP"):
+            peer = table["pytorch_optimizer SOAP"]
+            out["soap_val_loss_minus_peer"] = soap["val_loss_mean"] - peer["val_loss_mean"]
+            out["soap_peer_seed_spread"] = peer["val_loss_spread"]
     if ok("torch.optim.Muon+AdamW"):
         torch_s = table["torch.optim.Muon+AdamW"]["step_s_median"]
         if ok("ro.Muon native NS"):

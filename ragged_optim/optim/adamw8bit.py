@@ -47,10 +47,10 @@ from ragged_optim.kernels import (
 )
 from ragged_optim.kernels.adamw8bit_ref import ieee_sqrt_
 from ragged_optim.optim.base import full_shape, is_dtensor, local, process_group, scalar
+from ragged_optim.optim.blocks import local_range
 from ragged_optim.optim.muon import adamw_group_update_
 from ragged_optim.optim.optimizer import RaggedOptimizer, check_real, check_reals
 from ragged_optim.sharding import BlockSpec, shard_info
-from ragged_optim.sharding.owner_routes import dtensor_local_ranges
 from ragged_optim.sharding.state_dict import optimizer_state_from_dcp
 
 __all__ = ["AdamW8bit", "DEFAULT_QMAPS", "STATE_KEYS_8BIT"]
@@ -212,23 +212,19 @@ class AdamW8bit(RaggedOptimizer):
     # ------------------------------------------------------------------ layout
 
     def _local_range(self, p: Tensor, block_size: int) -> tuple[int, int]:
-        """This rank's flat element range of ``p``, checked against the blocks it must hold whole."""
+        """This rank's flat element range of ``p`` (:func:`local_range`); a ragged param's is checked against the
+        blocks it must hold whole (a DTensor's row chunk may cut blocks: those are owner-computed)."""
+        lo, hi = local_range(p)
         numel = self._numel(p)
-        info = shard_info(p)
-        if info is not None:
-            lo, hi = info.local_range
-            if hi > lo and (lo % block_size or (hi != numel and hi % block_size)):
-                raise RuntimeError(
-                    f"{self._label(p)}: this rank holds elements [{lo}, {hi}), which cuts a quantization block of "
-                    f"block_size={block_size}; AdamW8bit needs every rank's range to start and end on block "
-                    "boundaries. The unit was re-planned after AdamW8bit was constructed (by another optimizer "
-                    "allowing split blocks?): construct AdamW8bit last, or pass fully_shard(..., block_policy=...) "
-                    "returning BlockSpec.elements(block_size, numel) for this param."
-                )
-            return lo, hi
-        if is_dtensor(p):
-            return dtensor_local_ranges(p)[dist.get_rank(p.device_mesh.get_group())]
-        return 0, numel
+        if shard_info(p) is not None and hi > lo and (lo % block_size or (hi != numel and hi % block_size)):
+            raise RuntimeError(
+                f"{self._label(p)}: this rank holds elements [{lo}, {hi}), which cuts a quantization block of "
+                f"block_size={block_size}; AdamW8bit needs every rank's range to start and end on block "
+                "boundaries. The unit was re-planned after AdamW8bit was constructed (by another optimizer "
+                "allowing split blocks?): construct AdamW8bit last, or pass fully_shard(..., block_policy=...) "
+                "returning BlockSpec.elements(block_size, numel) for this param."
+            )
+        return lo, hi
 
     @staticmethod
     def _interior(lo: int, hi: int, numel: int, block_size: int) -> tuple[int, int]:

@@ -294,6 +294,20 @@ class BlockOptimizer(torch.optim.Optimizer):
             routing[id(group)] = _Routing(members, group, lambda p, s, n: self.block_cost(p, s, n))
         return routing[id(group)]
 
+    def blocks_computed_here(self, p: Tensor) -> list[int]:
+        """The indices (:attr:`Block.index`) of ``p``'s blocks that :meth:`map_blocks` hands to ``fn`` on this rank
+        (the blocks it holds whole, and the cut blocks it owns): where their per-block state lives. Checkpoints load
+        each saved block's state on the rank this names."""
+        spec = self._spec_of(p)
+        group = process_group(p)
+        routed = self._routing(group).routed[id(p)] if group is not None else []
+        rank = dist.get_rank(group) if group is not None else 0
+        lo, hi = local_range(p)
+        numel = max(1, int(torch.Size(full_shape(p)).numel()))
+        out = [spec.block_index(s) for s, _, r in routed if r is not None and r.owner == rank]
+        out += [spec.block_index(s) for s, _ in _local_block_spans(spec, lo, hi, numel, {s for s, _, _ in routed})]
+        return sorted(out)
+
     def map_blocks(
         self,
         fn: Callable[[list[Block]], list[Tensor]],

@@ -433,28 +433,32 @@ class Muon(RaggedOptimizer):
         matrix this rank holds whole is orthogonalized in place of its update's view; a sharded matrix is gathered
         whole to its owner (the planner's balanced owner for ragged params, a balanced choice for DTensors) in one
         all_to_all per process group, orthogonalized there exactly as on one process, and scattered back in one
-        more. Matrices that share a shape are batched. Returns one tensor per item, shaped like its local update."""
+        more. Returns one tensor per item, shaped like its local update: the update tensor itself, overwritten (a
+        copy of it where it is the momentum buffer, without Nesterov), so that only one matrix's Newton-Schulz
+        temporaries are alive at a time and no result is kept per matrix."""
         group_of = {id(it.param): it.group for it in items}
+        updates = [it.update if it.group["nesterov"] else it.update.clone() for it in items]
         return self.map_blocks(
             lambda blocks: self._orthogonalize_blocks(blocks, group_of),
             [it.param for it in items],
-            [it.update for it in items],
+            updates,
+            out=updates,
             wire_dtype=self._wire_dtype([it.group for it in items]),
         )
 
     def _orthogonalize_blocks(self, blocks: list, group_of: dict[int, dict]) -> list[Tensor]:
-        """Newton-Schulz on each block's matrix, one ``newton_schulz`` call per (shape, device, dtype, NS settings)
-        bucket."""
+        """Newton-Schulz on each block's matrix, written over the block (a view of the update, or the gathered
+        copy); with ``ns_batched_matmul`` one ``newton_schulz`` call per (shape, device, dtype, NS settings)
+        bucket, else one per matrix (the same bits: Newton-Schulz is computed one matrix at a time either way)."""
         buckets: dict[tuple, list[int]] = {}
         for i, b in enumerate(blocks):
             g = group_of[id(b.param)]
             x = b.value
             ns = (g["ns_steps"], tuple(g["ns_coefficients"]), g["eps"], g["ns_dtype"])
-            key = (tuple(x.shape), x.device, x.dtype, *ns)
+            key = (tuple(x.shape), x.device, x.dtype, *ns) if self.ns_batched_matmul else (i, *ns)
             buckets.setdefault(key, []).append(i)
-        out: list[Tensor | None] = [None] * len(blocks)
         for key, idx in buckets.items():
-            _, _, _, steps, coefficients, eps, dtype = key
+            steps, coefficients, eps, dtype = key[-4:]
             kw = dict(
                 steps=steps,
                 coefficients=coefficients,
@@ -464,12 +468,12 @@ class Muon(RaggedOptimizer):
                 matmul=self.ns_matmul,
             )
             if len(idx) == 1:
-                out[idx[0]] = newton_schulz(blocks[idx[0]].value, **kw)
+                blocks[idx[0]].value.copy_(newton_schulz(blocks[idx[0]].value, **kw))
             else:
                 ortho = newton_schulz(torch.stack([blocks[i].value for i in idx]), **kw)
                 for i, o in zip(idx, ortho.unbind(0)):
-                    out[i] = o
-        return out  # type: ignore[return-value]
+                    blocks[i].value.copy_(o)
+        return [b.value for b in blocks]
 
     def _wire_dtype(self, groups: list[dict]) -> torch.dtype | str | None:
         """Newton-Schulz starts by casting to ns_dtype, so sending in ns_dtype changes no bit of the result."""

@@ -45,8 +45,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--optimizer",
         choices=sorted(OPTIMIZERS),
         default=d.optimizer,
-        help="muon: Muon on hidden matrices, AdamW on the rest; shampoo: blocked Shampoo; adamw8bit: 8-bit AdamW; "
-        "adamw: torch's AdamW",
+        help="muon: Muon on hidden matrices, AdamW on the rest; shampoo: blocked Shampoo; soap: SOAP (Adam in "
+        "Shampoo's eigenbasis); adamw8bit: 8-bit AdamW; adamw: torch's AdamW",
     )
     p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps in all (a resumed run stops here too)")
     p.add_argument("--world-size", type=int, default=d.world_size, help="local gloo ranks (ignored under torchrun)")

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from ragged_optim.optim import AdamW8bit, Muon, Shampoo, muon_param_groups
+from ragged_optim.optim import SOAP, AdamW8bit, Muon, Shampoo, muon_param_groups
 
 # The optimizer `ragged-optim train` uses when --optimizer is not given.
 DEFAULT_OPTIMIZER = "muon"
@@ -32,6 +32,12 @@ def _shampoo(model: nn.Module, lr: float) -> torch.optim.Optimizer:
     return Shampoo(model.parameters(), lr=lr)
 
 
+def _soap(model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    # The reference implementation's defaults (betas (0.95, 0.95), weight decay 0.01, a basis refresh every 10
+    # steps); every matrix of the presets has fewer rows than max_preconditioner_dim, so each is one band.
+    return SOAP(model.parameters(), lr=lr)
+
+
 def _adamw8bit(model: nn.Module, lr: float) -> torch.optim.Optimizer:
     return AdamW8bit(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
 
@@ -47,6 +53,7 @@ OPTIMIZERS: dict[str, OptimizerEntry] = {
     "muon": OptimizerEntry(_muon, 0.02),
     "shampoo": OptimizerEntry(_shampoo, 3e-3),
     "adamw8bit": OptimizerEntry(_adamw8bit, 3e-3),
+    "soap": OptimizerEntry(_soap, 3e-3),
 }
 
 
