@@ -288,3 +288,36 @@ def test_docs_example_matches_one_process_on_ragged_and_fsdp2(path, name):
             atol=1e-6,
             shard_fn=shard_fn,
         )
+
+
+def _mixed_dtypes(rank, world_size, fsdp2):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 7, bias=False).to(torch.bfloat16), nn.Linear(4, 7, bias=False))
+    grads = [torch.randn(7, 4, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    if fsdp2:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+        mesh = init_device_mesh("cpu", (world_size,))
+        for layer in model:
+            torch_fully_shard(layer, mesh=mesh)
+    opt = BlockNormSGD(model.parameters(), g=2, kind="rows")
+    for p, g in zip(model.parameters(), grads):
+        set_full_grad(p, g)
+    opt.step()
+    return [(p.full_tensor() if fsdp2 else p).detach().float().clone() for p in model.parameters()]
+
+
+def test_mixed_dtypes_exchange_in_the_widest():
+    """A bf16 and an fp32 matrix in one process group (FSDP2 row chunks of 3 over 3 ranks cut 2-row bands):
+    the fp32 matrix's cut bands must travel in fp32. They travelled in the first param's dtype (bf16) before: off by
+    bf16 rounding (1e-4 after one step) where the one-process run is exact."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ref = _mixed_dtypes(0, 1, False)
+    finally:
+        torch.set_num_threads(threads)
+    got = run_on_ranks(_mixed_dtypes, 3, True)[0]
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b), (a - b).abs().max()

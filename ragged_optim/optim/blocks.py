@@ -13,6 +13,7 @@ exactly this API. A complete example: docs/custom_optimizer.md.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -46,7 +47,8 @@ class Block:
 
     ``values`` holds one tensor per input given to :meth:`BlockOptimizer.map_blocks`, each shaped ``shape``: a view
     into the local input for a block this rank holds whole (in-place changes land in the input), a gathered copy for
-    a block assembled here from other ranks' pieces (``gathered``)."""
+    a block assembled here from other ranks' pieces (``gathered``; in the widest dtype of the inputs exchanged with
+    it, e.g. fp32 when bf16 and fp32 params share a process group)."""
 
     param: Tensor  # the param as the optimizer holds it (the key of its state)
     index: int  # the block's ordinal in the param, flat order (keep per-block state under it)
@@ -379,10 +381,8 @@ class BlockOptimizer(torch.optim.Optimizer):
             else:
                 outs.put(sink[1], sink[2], r)
         for key, (pg, ks, idx, scatter_x) in exchanges.items():
-            k0 = ks[0]
-            back = scatter_x.scatter(
-                owned[key], wire_dtype or outs.dtype(k0), dtype=outs.dtype(k0), device=flats[k0][0].device
-            )
+            dtype = functools.reduce(torch.promote_types, (outs.dtype(k) for k in ks))  # as for the gather
+            back = scatter_x.scatter(owned[key], wire_dtype or dtype, dtype=dtype, device=flats[ks[0]][0].device)
             routed = self._routing(pg).routed
             for k, ris in zip(ks, idx):
                 lo, hi = local_range(params[k])
@@ -412,7 +412,10 @@ class BlockOptimizer(torch.optim.Optimizer):
             n_routes = len(scatter_x.routes)
             if not n_routes:
                 continue
-            dtype, device = flats[ks[0]][0].dtype, flats[ks[0]][0].device  # the same on every rank
+            # One dtype for the group's exchange that loses no input's precision (bf16 and fp32 grads: fp32); the same
+            # on every rank, whichever pieces this one holds.
+            dtype = functools.reduce(torch.promote_types, (f.dtype for k in ks for f in flats[k]))
+            device = flats[ks[0]][0].device
             pieces: list[Tensor | None] = [None] * (n_routes * n_inputs)
             for k, ris in zip(ks, idx):
                 lo, hi = local_range(params[k])
