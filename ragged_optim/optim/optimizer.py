@@ -3,13 +3,14 @@ that checks its input."""
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from ragged_optim.optim.base import full_shape
+from ragged_optim.optim.base import full_shape, is_dtensor, local
 from ragged_optim.optim.blocks import BlockOptimizer
 from ragged_optim.optim.nonfinite import guard_step
 from ragged_optim.sharding.state_dict import optimizer_state_from_dcp
@@ -171,3 +172,50 @@ def _as_dtype(v):
         if isinstance(d, torch.dtype):
             return d
     return v
+
+
+class BandPreconditionerChecks:
+    """The param and grad checks of the optimizers that precondition bands of a matrix (Shampoo, SOAP): real,
+    floating, non-empty params; DTensors sharded ``Shard(0)`` on a 1-D mesh; dense real grads, as local tensors.
+    Mixed into a :class:`RaggedOptimizer`; errors name the optimizer class."""
+
+    def _check_params(self, gi: int, group: dict[str, Any]) -> None:
+        name = type(self).__name__
+        for i, p in enumerate(group["params"]):
+            if is_dtensor(p):
+                self._check_dtensor(gi, i, p)
+            if p.is_complex():
+                raise ValueError(
+                    f"{self._param_label(gi, i)} is complex ({p.dtype}); {name} supports real params only: view it "
+                    "as real (torch.view_as_real) in the model, or optimize it with torch.optim.Adam."
+                )
+            if not p.is_floating_point():
+                raise ValueError(f"{self._param_label(gi, i)} has dtype {p.dtype}; {name} needs floating params")
+            if math.prod(full_shape(p)) == 0:
+                raise ValueError(
+                    f"{self._param_label(gi, i)} has no elements; {name} has nothing to precondition. Leave it out "
+                    "of the optimizer (it has nothing to learn)."
+                )
+
+    def _check_dtensor(self, gi: int, i: int, p: torch.Tensor) -> None:
+        from torch.distributed.tensor import Shard
+
+        placements = tuple(p.placements)
+        mesh = getattr(p, "device_mesh", None)
+        if len(placements) != 1 or not isinstance(placements[0], Shard) or placements[0].dim != 0 or mesh is None:
+            raise ValueError(
+                f"{self._param_label(gi, i)} is a torch DTensor with placements {placements}; {type(self).__name__} "
+                "supports DTensor params sharded Shard(0) on a 1-D mesh (torch FSDP2 fully_shard), plain tensors "
+                "and ragged_optim.fully_shard params: redistribute it to Shard(0) or shard the model with "
+                "ragged_optim.fully_shard."
+            )
+
+    def _grad_of(self, gi: int, i: int, p: torch.Tensor) -> torch.Tensor | None:
+        grad = super()._grad_of(gi, i, p)
+        if grad is None:
+            return None
+        if grad.is_complex():
+            raise ValueError(
+                f"{self._param_label(gi, i)} has a complex gradient; {type(self).__name__} supports real params only"
+            )
+        return local(grad)

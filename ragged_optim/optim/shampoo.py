@@ -48,8 +48,8 @@ import torch
 from torch import Tensor
 
 from ragged_optim.kernels.matrix_root import RootInverseError, matrix_inverse_root
-from ragged_optim.optim.base import full_shape, is_dtensor, local, scalar
-from ragged_optim.optim.optimizer import RaggedOptimizer, check_real, check_reals
+from ragged_optim.optim.base import full_shape, local, scalar
+from ragged_optim.optim.optimizer import BandPreconditionerChecks, RaggedOptimizer, check_real, check_reals
 from ragged_optim.sharding import BlockSpec
 
 __all__ = ["Shampoo", "GRAFTING_METHODS", "shampoo_band_spec", "matrix_view_shape"]
@@ -172,7 +172,7 @@ def _vector_update(g: Tensor, state: dict, t: int, hp: dict) -> Tensor:
     return g * (diag + hp["epsilon"]).pow(-_exponent(hp, 1))
 
 
-class Shampoo(RaggedOptimizer):
+class Shampoo(BandPreconditionerChecks, RaggedOptimizer):
     """Shampoo with blocked Kronecker-factored preconditioners and grafting (the published distributed Shampoo
     semantics), for plain tensors, ``ragged_optim.fully_shard`` params and torch FSDP2 ``DTensor`` params
     (``Shard(0)`` on a 1-D mesh). See docs/shampoo.md.
@@ -305,44 +305,6 @@ class Shampoo(RaggedOptimizer):
 
     def _state_keys(self, group: dict[str, Any], p: Tensor) -> tuple[str, ...]:
         return ("step",)  # momentum, bands and grafting state are created when missing
-
-    def _check_params(self, gi: int, group: dict[str, Any]) -> None:
-        for i, p in enumerate(group["params"]):
-            if is_dtensor(p):
-                self._check_dtensor(gi, i, p)
-            if p.is_complex():
-                raise ValueError(
-                    f"{self._param_label(gi, i)} is complex ({p.dtype}); Shampoo supports real params only: view it "
-                    "as real (torch.view_as_real) in the model, or optimize it with torch.optim.Adam."
-                )
-            if not p.is_floating_point():
-                raise ValueError(f"{self._param_label(gi, i)} has dtype {p.dtype}; Shampoo needs floating params")
-            if math.prod(full_shape(p)) == 0:
-                raise ValueError(
-                    f"{self._param_label(gi, i)} has no elements; Shampoo has nothing to precondition. Leave it out "
-                    "of the optimizer (it has nothing to learn)."
-                )
-
-    def _check_dtensor(self, gi: int, i: int, p: Tensor) -> None:
-        from torch.distributed.tensor import Shard
-
-        placements = tuple(p.placements)
-        mesh = getattr(p, "device_mesh", None)
-        if len(placements) != 1 or not isinstance(placements[0], Shard) or placements[0].dim != 0 or mesh is None:
-            raise ValueError(
-                f"{self._param_label(gi, i)} is a torch DTensor with placements {placements}; Shampoo supports "
-                "DTensor params sharded Shard(0) on a 1-D mesh (torch FSDP2 fully_shard), plain tensors and "
-                "ragged_optim.fully_shard params: redistribute it to Shard(0) or shard the model with "
-                "ragged_optim.fully_shard."
-            )
-
-    def _grad_of(self, gi: int, i: int, p: Tensor) -> Tensor | None:
-        grad = super()._grad_of(gi, i, p)
-        if grad is None:
-            return None
-        if grad.is_complex():
-            raise ValueError(f"{self._param_label(gi, i)} has a complex gradient; Shampoo supports real params only")
-        return local(grad)
 
     # ------------------------------------------------------------------ band bookkeeping
 

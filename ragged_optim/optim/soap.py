@@ -57,9 +57,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ragged_optim.optim.base import full_shape, is_dtensor, local, scalar
+from ragged_optim.optim.base import full_shape, local, scalar
 from ragged_optim.optim.blocks import all_reduce_over_shards
-from ragged_optim.optim.optimizer import RaggedOptimizer, check_bool, check_real, check_reals
+from ragged_optim.optim.optimizer import BandPreconditionerChecks, RaggedOptimizer, check_bool, check_real, check_reals
 from ragged_optim.optim.shampoo import matrix_view_shape, shampoo_band_spec
 
 __all__ = [
@@ -205,7 +205,7 @@ def step_size(hp: dict, t: int) -> float:
 # ---------------------------------------------------------------------------------------------------- optimizer
 
 
-class SOAP(RaggedOptimizer):
+class SOAP(BandPreconditionerChecks, RaggedOptimizer):
     """SOAP: Adam in the eigenbasis of Shampoo's preconditioner (Vyas et al. 2024), per band of
     ``max_preconditioner_dim`` rows, for plain tensors, ``ragged_optim.fully_shard`` params and torch FSDP2
     ``DTensor`` params (``Shard(0)`` on a 1-D mesh). See the module docstring and docs/soap.md.
@@ -328,44 +328,6 @@ class SOAP(RaggedOptimizer):
                             f"max_preconditioner_dim={B}: saved with another max_preconditioner_dim or for another "
                             "param?"
                         )
-
-    def _check_params(self, gi: int, group: dict[str, Any]) -> None:
-        for i, p in enumerate(group["params"]):
-            if is_dtensor(p):
-                self._check_dtensor(gi, i, p)
-            if p.is_complex():
-                raise ValueError(
-                    f"{self._param_label(gi, i)} is complex ({p.dtype}); SOAP supports real params only: view it as "
-                    "real (torch.view_as_real) in the model, or optimize it with torch.optim.Adam."
-                )
-            if not p.is_floating_point():
-                raise ValueError(f"{self._param_label(gi, i)} has dtype {p.dtype}; SOAP needs floating params")
-            if math.prod(full_shape(p)) == 0:
-                raise ValueError(
-                    f"{self._param_label(gi, i)} has no elements; SOAP has nothing to precondition. Leave it out "
-                    "of the optimizer (it has nothing to learn)."
-                )
-
-    def _check_dtensor(self, gi: int, i: int, p: Tensor) -> None:
-        from torch.distributed.tensor import Shard
-
-        placements = tuple(p.placements)
-        mesh = getattr(p, "device_mesh", None)
-        if len(placements) != 1 or not isinstance(placements[0], Shard) or placements[0].dim != 0 or mesh is None:
-            raise ValueError(
-                f"{self._param_label(gi, i)} is a torch DTensor with placements {placements}; SOAP supports DTensor "
-                "params sharded Shard(0) on a 1-D mesh (torch FSDP2 fully_shard), plain tensors and "
-                "ragged_optim.fully_shard params: redistribute it to Shard(0) or shard the model with "
-                "ragged_optim.fully_shard."
-            )
-
-    def _grad_of(self, gi: int, i: int, p: Tensor) -> Tensor | None:
-        grad = super()._grad_of(gi, i, p)
-        if grad is None:
-            return None
-        if grad.is_complex():
-            raise ValueError(f"{self._param_label(gi, i)} has a complex gradient; SOAP supports real params only")
-        return local(grad)
 
     # ------------------------------------------------------------------ blocks
 
