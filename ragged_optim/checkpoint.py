@@ -683,14 +683,6 @@ def load_checkpoint(
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _gather_objects(obj) -> list:
-    if not _dist_on():
-        return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
 def get_full_optimizer_state_dict(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
     """``opt.state_dict()`` as the same optimizer on the unsharded model would have it (a collective: call it on
     every rank): element-wise state is gathered to full shape (8-bit codes stay flat, as the one-process optimizer

@@ -179,6 +179,20 @@ class BandPreconditionerChecks:
     floating, non-empty params; DTensors sharded ``Shard(0)`` on a 1-D mesh; dense real grads, as local tensors.
     Mixed into a :class:`RaggedOptimizer`; errors name the optimizer class."""
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's, then the group's hyperparameters (``_validate_group``) and params checked; a group that fails
+        is removed again, so a refused group leaves the optimizer as it was."""
+        if isinstance(param_group.get("params"), set):
+            raise TypeError(f"{type(self).__name__} params must be an ordered collection (a list), not a set")
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
+            self._validate_group(group)
+            self._check_params(len(self.param_groups) - 1, group)
+        except (ValueError, TypeError):
+            self.param_groups.pop()
+            raise
+
     def _check_params(self, gi: int, group: dict[str, Any]) -> None:
         name = type(self).__name__
         for i, p in enumerate(group["params"]):

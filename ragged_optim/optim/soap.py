@@ -258,18 +258,6 @@ class SOAP(BandPreconditionerChecks, RaggedOptimizer):
 
     # ------------------------------------------------------------------ checks
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        if isinstance(param_group.get("params"), set):
-            raise TypeError("SOAP params must be an ordered collection (a list), not a set")
-        super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        try:
-            self._validate_group(group)
-            self._check_params(len(self.param_groups) - 1, group)
-        except (ValueError, TypeError):
-            self.param_groups.pop()
-            raise
-
     @staticmethod
     def _validate_group(g: dict[str, Any]) -> None:
         if not check_real("lr", g["lr"], tensor=True) >= 0.0:
