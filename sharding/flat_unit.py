@@ -21,6 +21,7 @@ from ragged_optim.sharding.comm_policy import CommPolicy
 from ragged_optim.sharding.layout import BlockSpec, Layout
 from ragged_optim.sharding.planner import TensorSpec, plan_unit
 from ragged_optim.sharding.sharded_param import _INFO_ATTR, ShardInfo
+from ragged_optim.sharding.streams import NO_STREAMS
 
 ALIGNMENT_BYTES = 16
 
@@ -82,8 +83,9 @@ class FlatUnit:
         self.grad_buf = None  # [W*S] param dtype, alive from pre-backward to the reduce-scatter
         self.is_unsharded = False
         self.stale = True
-        self.pending_gather = None  # (work, staging tensor) of an async all-gather
-        self.pending_reduce = None  # (work, output, op, post-divisor) of an async reduce-scatter
+        self.streams = NO_STREAMS  # the root's side streams, set at its lazy init (see streams.py)
+        self.pending_gather = None  # (work, staging tensor, version, event) of an all-gather in flight
+        self.pending_reduce = None  # (work, output, op, post-divisor, event) of a reduce-scatter in flight
         self.reduce_input = None  # the flat grads a reduce-scatter in flight reads
         self.unsynced_grad = None  # [W*S] reduce dtype: grads of no-sync backwards when it differs from the param's
         self.requires_grad_sync = True
@@ -329,24 +331,32 @@ class FlatUnit:
         """Issue the all-gather (async) unless the unsharded buffer is current or a gather is in flight."""
         if (self.is_unsharded and not self.stale) or self.pending_gather is not None or not self.sharded_params:
             return
-        self._alloc_unsharded()
+        self._alloc_unsharded()  # on the compute stream, which reads the buffer and frees it
         version = self.unsharded._version
-        fmt = self.comm_policy.param_all_gather
+        fmt, s, src, after = self.comm_policy.param_all_gather, self.streams, self.local_shard, None
         if fmt != "full":  # quantize the fp32 master shard; the receiver dequantizes into the param dtype
-            src = self.local_shard
-            work = quantized_all_gather(
-                self.unsharded, src, fmt, self.comm_policy.block_size, group=self.group, async_op=True
+            bs = self.comm_policy.block_size
+            work, event = s.issue(
+                s.all_gather_stream,
+                lambda: quantized_all_gather(self.unsharded, src, fmt, bs, group=self.group, async_op=True),
             )
         else:
-            src = self.local_shard if self.param_dtype == self.dtype else self.local_shard.to(self.param_dtype)
-            work = all_gather_flat(self.unsharded, src, group=self.group, async_op=True)
-        self.pending_gather = (work, src, version)
+            if self.param_dtype != self.dtype:  # the mixed-precision cast, on the copy-in stream
+                src = torch.empty(self.local_shard.shape, dtype=self.param_dtype, device=self.device)
+                s.copy(src, self.local_shard)
+                after = s.copy_in_stream
+            work, event = s.issue(
+                s.all_gather_stream,
+                lambda: all_gather_flat(self.unsharded, src, group=self.group, async_op=True),
+                after=after,
+            )
+        self.pending_gather = (work, src, version, event)
 
     def wait_unshard(self):
         self.start_unshard()
         if self.pending_gather is not None:
-            work, _, version = self.pending_gather
-            work.wait()
+            work, _, version, event = self.pending_gather
+            self.streams.complete(work, event)
             self.pending_gather = None
             self.is_unsharded, self.stale = True, False
             # The buffer is refilled under autograd's nose on purpose: tensors saved for backward are views of it
@@ -367,13 +377,11 @@ class FlatUnit:
         them, so they complete) and discard their results, free the unsharded and gradient buffers. The sharded
         params and the sharded grads of earlier, finished iterations are kept."""
         if self.pending_gather is not None:
-            self.pending_gather[0].wait()
+            self.streams.complete(self.pending_gather[0], self.pending_gather[3])
             self.pending_gather = None
             self.is_unsharded, self.stale = True, True
         if self.pending_reduce is not None:
-            work = self.pending_reduce[0]
-            if work is not None:
-                work.wait()
+            self.streams.complete(self.pending_reduce[0], self.pending_reduce[4])
             self.pending_reduce = None
         self.drop_grad_buffers()
         self.reshard()
@@ -422,21 +430,39 @@ class FlatUnit:
             if self.grad_buf is not None and self.reduce_dtype != self.param_dtype:
                 self._fold_into_unsynced()
             return False
-        full = self._grads_to_reduce()
-        mode = self.comm_policy.grad_reduce
-        if mode == "int8":
+        full = self._grads_to_reduce()  # on the compute stream, like the output buffer below (see streams.py)
+        s = self.streams
+        if self.comm_policy.grad_reduce == "int8":
             out = torch.empty(self.layout.shard_size, dtype=torch.float32, device=self.device)
-            quantized_reduce_scatter(out, full, "int8", self.comm_policy.block_size, group=self.group)
-            self.pending_reduce = (None, out, dist.ReduceOp.SUM, float(self._grad_divisor()))
+            op, post = dist.ReduceOp.SUM, float(self._grad_divisor())
+
+            def reduce():
+                quantized_reduce_scatter(out, full, "int8", self.comm_policy.block_size, group=self.group)
+                return self._all_reduce_replicas_on_stream(out, op)
         else:
             pre, post, op = grad_divide_plan(self.group, full.dtype, self._grad_divisor())
-            if pre != 1.0:
-                full.div_(pre)
             out = torch.empty(self.layout.shard_size, dtype=full.dtype, device=self.device)
-            work = reduce_scatter_flat(out, full, group=self.group, async_op=True, op=op)
-            self.pending_reduce = (work, out, op, post)
+
+            def reduce():
+                if pre != 1.0:
+                    full.div_(pre)
+                work = reduce_scatter_flat(out, full, group=self.group, async_op=True, op=op)
+                if not s.enabled or self.replicate_group is None:
+                    return work
+                work.wait()
+                return self._all_reduce_replicas_on_stream(out, op)
+
+        work, event = s.issue(s.reduce_stream, reduce)
+        self.pending_reduce = (work, out, op, post, event)
         self.reduce_input = full  # alive until the reduce-scatter is done
         return True
+
+    def _all_reduce_replicas_on_stream(self, out: torch.Tensor, op):
+        """HSDP with side streams: the all-reduce across replicas follows the reduce-scatter on its stream (in the
+        reduce dtype). Without streams it runs when the reduce-scatter is waited for (``finish_reduce_grads``)."""
+        if not self.streams.enabled or self.replicate_group is None:
+            return None
+        return dist.all_reduce(out, op=op, group=self.replicate_group, async_op=True)
 
     def _fold_into_unsynced(self):
         """Add this backward's grads (param dtype) into the reduce-dtype accumulator and free the grad buffer."""
@@ -474,12 +500,11 @@ class FlatUnit:
         """Wait for the reduce-scatter, average, and land the result in the sharded params' .grad."""
         if self.pending_reduce is None:
             return
-        work, out, op, post = self.pending_reduce
-        if work is not None:
-            work.wait()
+        work, out, op, post, event = self.pending_reduce
+        self.streams.complete(work, event)
         self.pending_reduce = None
         self.reduce_input = None
-        if self.replicate_group is not None:  # HSDP: reduce the shard across replicas too, in the reduce dtype
+        if self.replicate_group is not None and not self.streams.enabled:  # HSDP: across replicas, reduce dtype
             dist.all_reduce(out, op=op, group=self.replicate_group)
         out = out.to(self.dtype)
         if post != 1.0:

@@ -18,6 +18,9 @@ iteration or another model in the process cannot leak into this one. Hooks drive
   param got no grad, so every rank issues the same collectives whatever was used), reshard; at most one
   reduce-scatter stays in flight. The end-of-backward callback does the same, in a fixed order, for units whose
   inputs needed no grad, then lands every reduced gradient.
+
+Collectives run on the root's side streams where the device has them (``streams.py``, bound at each iteration's
+start); on CPU they are async work handles.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from ragged_optim.sharding.flat_unit import FlatUnit
+from ragged_optim.sharding.streams import CommStreams
 
 # Reduce-scatters whose input buffers may be alive at once (FSDP2 keeps one, too).
 MAX_REDUCES_IN_FLIGHT = 1
@@ -60,6 +64,7 @@ class RootContext:
         self.post_forward_order: list[ModuleState] = []  # this iteration's, with multiplicity: backward prefetch
         self.ran_forward: set[int] = set()
         self.reduces_in_flight: deque[FlatUnit] = deque()
+        self.streams: CommStreams | None = None  # side streams of this root's collectives (none on CPU)
 
     def busy(self) -> bool:
         return self.iter_forward_root is not None or self.callback_queued
@@ -70,6 +75,7 @@ class RootContext:
         unit's params, mark gathered data stale (an optimizer step may have changed the shards)."""
         if self.callback_queued or any(s.training_state != TrainingState.IDLE for s in self.states):
             self.reset()
+        self._bind_streams()
         for s in self.states:
             for u in s.units:
                 u.sync_with_sharded_params()
@@ -80,6 +86,17 @@ class RootContext:
             self._clear_post_forward_order()
         self.iter_forward_root = state
         self.ran_forward = set()
+
+    def _bind_streams(self) -> None:
+        """Every unit of this root issues its collectives on the root's streams, made for the params' device
+        (again if the model moved since the last iteration)."""
+        units = [u for s in self.states for u in s.units if u.sharded_params]
+        if not units:
+            return
+        if self.streams is None or self.streams.device != units[0].device:
+            self.streams = CommStreams.for_device(units[0].device)
+        for u in units:
+            u.streams = self.streams
 
     def finish_forward(self) -> None:
         """The iteration's outermost forward returned (or raised): release units prefetched but never run."""
