@@ -338,3 +338,27 @@ def test_unsupported_dtensor_placements_are_refused_with_a_pointer():
     for name, err in out.items():
         assert err is not None, name
         assert re.search(r"DTensor with placements .*Shard\(0\) on a 1-D mesh.*ragged_optim\.fully_shard", err), err
+
+
+def test_step_holds_no_update_beyond_its_bands_own_math():
+    """The step's peak bytes = the band's own computation (the fp32 grad copy, the factors' update, the
+    preconditioning: measured alone on the same state at the same step in the same process) + nothing per param:
+    a matrix computed as one band keeps its band's result as its update. Before, every matrix param got a
+    zero-filled fp32 update that the band's result was copied into: one more matrix of bytes."""
+    from ragged_optim.memory import peak_bytes
+
+    n = 256
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(n, n))
+    opt = Shampoo([p], lr=1e-3, betas=(0.0, 0.99), max_preconditioner_dim=n, precondition_frequency=4,
+                  start_preconditioning_step=4, grafting=None)  # fmt: skip
+    for _ in range(4):  # roots exist from step 4 on; step 5 preconditions without recomputing them
+        p.grad = torch.randn(n, n)
+        opt.step()
+    group, step_t = opt.param_groups[0], opt.state[p]["step"]
+    step_t += 1  # the band's math at step 5, alone (the same ops the step runs), then the step itself
+    _, band_alone = peak_bytes(lambda: opt._compute_band(p, 0, p.grad.reshape(-1), group, "w"))
+    step_t -= 1
+    _, step = peak_bytes(opt.step)
+    matrix = n * n * 4
+    assert step <= band_alone + matrix // 8, (step / matrix, band_alone / matrix)

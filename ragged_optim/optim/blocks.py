@@ -317,6 +317,7 @@ class BlockOptimizer(torch.optim.Optimizer):
         inputs: Sequence[Tensor | Sequence[Tensor]],
         *,
         out: Sequence[Tensor] | None = None,
+        out_dtype: torch.dtype | None = None,
         local_blocks: bool = True,
         wire_dtype: torch.dtype | str | None = None,
     ) -> list[Tensor]:
@@ -330,7 +331,8 @@ class BlockOptimizer(torch.optim.Optimizer):
         per process group for all of them (none when no block needs another rank's data). Returns, per param, a
         tensor shaped like ``local(params[k])`` holding the results: ``out[k]`` when given (results are written
         into it; a result that *is* the block's view of ``out[k]`` is not copied); else ``fn``'s own result when
-        one block is the param's whole local tensor (no copy), or a new tensor in the first input's dtype.
+        one block is the param's whole local tensor (no copy), or a new tensor in ``out_dtype`` (default: the first
+        input's dtype).
         ``local_blocks=False``: ``fn`` sees only the gathered blocks, and elements of blocks held whole are left as
         they are in ``out``.
         ``wire_dtype``: the dtype pieces travel in (default: the input's), or ``"int8"`` / ``"fp8_e4m3"``.
@@ -353,7 +355,7 @@ class BlockOptimizer(torch.optim.Optimizer):
                     f"has {n}: inputs must be shaped like local(p)"
                 )
         flats = [[t.reshape(-1) for t in xs] for xs in inputs]
-        outs = _Outputs(params, flats, out)
+        outs = _Outputs(params, flats, out, out_dtype)
         blocks: list[Block] = []
         sinks: list[tuple] = []  # per block: ("local", k, lo-relative start) or ("routed", group key, route index)
         exchanges, routed_starts = self._gather_cut_blocks(params, flats, wire_dtype, blocks, sinks)
@@ -440,16 +442,18 @@ class BlockOptimizer(torch.optim.Optimizer):
 class _Outputs:
     """The per-param results of :meth:`BlockOptimizer.map_blocks`. Given ``out`` tensors are written into. Otherwise
     a param whose one block is its whole local tensor returns ``fn``'s result itself (no copy: a plain or owner-held
-    matrix), and the others get a zero tensor in the first input's dtype (elements of a block nobody computes, a
-    spec the layout was not planned for, stay 0)."""
+    matrix), and the others get a zero tensor in ``out_dtype`` or the first input's dtype (elements of a block
+    nobody computes, a spec the layout was not planned for, stay 0)."""
 
-    def __init__(self, params, flats, out) -> None:
-        self.params, self.flats, self.given = params, flats, out is not None
+    def __init__(self, params, flats, out, out_dtype=None) -> None:
+        self.params, self.flats, self.given, self.out_dtype = params, flats, out is not None, out_dtype
         self.out = list(out) if out is not None else [None] * len(params)
         self.flat = [None if o is None else (o.view(-1) if o.is_contiguous() else o.reshape(-1)) for o in self.out]
 
     def dtype(self, k: int) -> torch.dtype:
-        return self.out[k].dtype if self.given else self.flats[k][0].dtype
+        if self.given:
+            return self.out[k].dtype
+        return self.out_dtype or self.flats[k][0].dtype
 
     def put(self, k: int, offset: int, r: Tensor) -> None:
         n = r.numel()

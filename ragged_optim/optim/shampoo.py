@@ -354,7 +354,7 @@ class Shampoo(BandPreconditionerChecks, RaggedOptimizer):
             compute,
             [p for p, *_ in items],
             [grad for _, grad, *_ in items],
-            out=[torch.zeros(local(p).shape, dtype=torch.float32, device=grad.device) for p, grad, *_ in items],
+            out_dtype=torch.float32,  # a param computed as one band keeps its band's result: no zero-filled copy
         )
 
     @torch.no_grad()

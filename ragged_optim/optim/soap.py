@@ -370,7 +370,7 @@ class SOAP(BandPreconditionerChecks, RaggedOptimizer):
         for dtype in sorted({compute_dtype(p.dtype) for p, *_ in items}, key=str):  # the same order on every rank
             ks = [k for k, (p, *_) in enumerate(items) if compute_dtype(p.dtype) == dtype]
             grads = [items[k][1].to(dtype) for k in ks]  # pieces of cut bands travel in the compute dtype
-            res = self.map_blocks(compute, [items[k][0] for k in ks], grads, out=[torch.zeros_like(g) for g in grads])
+            res = self.map_blocks(compute, [items[k][0] for k in ks], grads)  # one-band params: no copy
             for k, r in zip(ks, res):
                 out[k] = r
         return out  # type: ignore[return-value]
