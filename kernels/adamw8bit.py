@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from .adamw8bit_ref import adamw8bit_ref
@@ -27,7 +28,8 @@ STATE_FORMAT_VERSION = 2
 
 
 def _f32(x: float) -> float:
-    return float(torch.tensor(x, dtype=torch.float32).item())
+    """``x`` rounded to float32, on the host (numpy, not a tensor: nothing here reads tensor data)."""
+    return float(np.float32(x))
 
 
 def adamw8bit_constants(

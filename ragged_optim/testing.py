@@ -12,8 +12,10 @@ The helpers run real gloo ranks on this machine (``run_on_ranks``); the one-proc
 
 from __future__ import annotations
 
+import contextlib
+import traceback
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +29,7 @@ __all__ = [
     "ShardedMismatch",
     "assert_sharded_matches_single",
     "default_grad",
+    "host_reads",
     "matrix_shapes",
     "run_on_ranks",
     "set_full_grad",
@@ -180,3 +183,64 @@ def assert_sharded_matches_single(
             f"param {d.name!r} {d.shape}: max |diff| {d.max_abs:.3g}; at index {d.index} sharded {d.sharded:.9g} vs "
             f"single {d.single:.9g} (rtol={rtol}, atol={atol})"
         )
+
+
+# ------------------------------------------------------------------------------------------- host reads (syncs)
+
+# Ops whose result the host must read from the tensor's data: on a GPU each is a device-to-host sync.
+_HOST_READ_OPS = ("_local_scalar_dense", "is_nonzero", "equal", "nonzero", "masked_select", "_unique2",
+                  "unique_consecutive", "unique_dim", "repeat_interleave")  # fmt: skip
+
+
+@dataclass
+class HostRead:
+    """One read of tensor data by the host: the op and the innermost call site in this library (or yours)."""
+
+    op: str
+    site: str
+
+    def __str__(self) -> str:
+        return f"{self.op} at {self.site}"
+
+
+@contextlib.contextmanager
+def host_reads(allow=()) -> Iterator[list[HostRead]]:
+    """Record every read of tensor data by the host while the block runs: what would be a device sync on a GPU
+    (``.item()``, ``bool(t)``, ``float(t)``, ``.tolist()``, ``nonzero``, data-dependent shapes), found on any
+    device, CPU included, so a CPU test can check that a training step never waits for the device.
+
+    ``allow``: tensors that live on the host by design (an optimizer's ``state[p]["step"]`` counters, a CPU lr
+    tensor); reading them is not counted. ``with host_reads(allow=steps) as reads: opt.step()``, then
+    ``assert not reads, reads``. Reads inside a kernel's own C++ code (``torch.linalg.eigh``'s error check) are
+    not seen."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    allowed = {id(t) for t in allow}
+    reads: list[HostRead] = []
+
+    def note(op: str, args) -> None:
+        first = args[0] if args else None
+        if isinstance(first, torch.Tensor) and id(first) in allowed:
+            return
+        frames = [f for f in traceback.extract_stack() if "/torch/" not in f.filename and f.filename != __file__]
+        site = f"{frames[-1].filename}:{frames[-1].lineno} ({frames[-1].name})" if frames else "?"
+        reads.append(HostRead(op, site))
+
+    class _Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ in _HOST_READ_OPS:
+                note(func.overloadpacket.__name__, args)
+            return func(*args, **(kwargs or {}))
+
+    tolist = torch.Tensor.tolist
+
+    def counted_tolist(t):  # tolist reads the data without going through the dispatcher
+        note("tolist", (t,))
+        return tolist(t)
+
+    torch.Tensor.tolist = counted_tolist
+    try:
+        with _Mode():
+            yield reads
+    finally:
+        torch.Tensor.tolist = tolist

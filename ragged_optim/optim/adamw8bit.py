@@ -270,7 +270,7 @@ class AdamW8bit(RaggedOptimizer):
 
     def _init_8bit_state(self, state: dict, parts: list[tuple[int, int]], group: dict[str, Any], device) -> None:
         bs = group["block_size"]
-        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        state["step"] = torch.tensor(0.0, dtype=torch.float32, device="cpu")
         for key, fmt in zip(("exp_avg", "exp_avg_sq"), group["qmaps"]):
             q = [quantize_blockwise(torch.zeros(n, device=device), bs, fmt) for n, _ in parts]
             if len(q) == 1:

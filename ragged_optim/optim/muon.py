@@ -100,7 +100,7 @@ def adamw_update_(
     ``step`` (a float32 scalar tensor), ``exp_avg`` and ``exp_avg_sq`` (created here on first use).
     """
     if "step" not in state:
-        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        state["step"] = torch.tensor(0.0, dtype=torch.float32, device="cpu")
         state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
     step_t, exp_avg, exp_avg_sq = state["step"], state["exp_avg"], state["exp_avg_sq"]
@@ -138,7 +138,7 @@ def adamw_foreach_update_(
     buckets: dict[tuple, list[int]] = {}
     for k, (p, state) in enumerate(zip(params, states)):
         if "step" not in state:
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["step"] = torch.tensor(0.0, dtype=torch.float32, device="cpu")
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         buckets.setdefault((p.device, p.dtype, grads[k].dtype), []).append(k)

@@ -28,6 +28,11 @@ def check_real(name: str, value: Any, *, tensor: bool = False) -> float:
     """``value`` as a float (for range checks), or a TypeError naming ``name``, the value and what is expected.
     With ``tensor``, a real 1-element tensor passes too (torch.optim allows a tensor lr)."""
     if tensor and isinstance(value, torch.Tensor) and value.numel() == 1:
+        if value.device.type != "cpu":  # the step reads it on the host: on a GPU, a device sync every step
+            raise ValueError(
+                f"{name} is a tensor on {value.device}, which every step would read back to the host (a device "
+                f"sync); pass a float, or a CPU tensor ({name}=torch.tensor(..., device='cpu')) to change it in place"
+            )
         if not (value.is_complex() or value.dtype == torch.bool):
             return value.item()
     if _is_real(value):

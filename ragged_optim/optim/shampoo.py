@@ -372,7 +372,7 @@ class Shampoo(BandPreconditionerChecks, RaggedOptimizer):
                     continue
                 state = self.state[p]
                 if "step" not in state:
-                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32, device="cpu")
                 state["step"] += 1
                 if len(full_shape(p)) >= 2:
                     matrix_items.append((p, grad, group, self._param_label(gi, i)))
