@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
-# GPU check of ragged_optim.kernels on one CUDA machine (fresh environment, < 5 minutes):
+# GPU check on one CUDA machine (fresh environment, < 9 minutes):
 #   1. sets up a venv that sees the system's packages (reuses a CUDA torch if there is one, installs torch only if
 #      it is missing), plus test deps and, best effort, torchao and bitsandbytes (never letting them move torch);
 #   2. runs tests/test_kernels_*.py on CUDA: the Triton kernels compiled and compared bit for bit with the torch
 #      reference on the GPU;
-#   3. times Triton vs the torch reference vs torchao / bitsandbytes 8-bit AdamW (benchmarks/kernels_gpu_bench.py).
-# Prints one JSON line on stdout; progress goes to stderr. Exit 0 only if the tests pass and Triton == reference
-# at full size (timings that a timeout cut short are reported as far as they got).
+#   3. times Triton vs the torch reference vs torchao / bitsandbytes 8-bit AdamW (benchmarks/kernels_gpu_bench.py);
+#   4. a training step at world size 1 on CUDA with NCCL under torch.cuda.set_sync_debug_mode("error") after
+#      warm-up, for every optimizer, and AdamW parity with one process (benchmarks/cuda_step_check.py);
+#   5. `bench memory` and `bench fsdp` on CUDA at world size 1 (NCCL), ours against torch FSDP2.
+# Prints one JSON line on stdout; progress goes to stderr. Exit 0 only if the tests pass, Triton == reference at
+# full size and the step check passes (timings that a timeout cut short are reported as far as they got).
 # Without a GPU it exits 2 at once with {"ok": false, "error": "..."}.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-budget="${RO_GPU_CHECK_BUDGET_S:-280}" # the whole script stays under 5 minutes
+budget="${RO_GPU_CHECK_BUDGET_S:-520}" # the whole script stays under 9 minutes
 left() { echo $((budget - SECONDS)); }
 log() { echo "[gpu_check] ${SECONDS}s: $*" >&2; }
 fail() { # $1 = message, $2 = exit code
@@ -65,7 +68,7 @@ fi
 
 log "running tests/test_kernels_*.py on CUDA"
 test_log="$(mktemp)"
-t_tests=$(($(left) - 75)) # leave 75 s for the benchmark
+t_tests=$(($(left) - 315)) # leave 75 s for the kernel benchmark, 240 s for steps 4-5
 [ "$t_tests" -le 150 ] || t_tests=150
 timeout "$t_tests" "$py" -m pytest -p no:cacheprovider -rfE tests/test_kernels_quant.py tests/test_kernels_adamw8bit.py \
   tests/test_kernels_triton.py >"$test_log" 2>&1
@@ -74,21 +77,46 @@ tail -n 30 "$test_log" >&2
 test_summary="$(grep -E '(passed|failed|error)' "$test_log" | tail -1)"
 
 log "benchmarking"
-t_bench=$(($(left) - 3))
+t_bench=$(($(left) - 243))
 [ "$t_bench" -ge 20 ] || t_bench=20
 bench_json="$(timeout "$t_bench" "$py" benchmarks/kernels_gpu_bench.py | tail -1)"
 bench_rc=$?
 [ -n "$bench_json" ] || bench_json='{"ok": false, "error": "benchmark produced no output"}'
 [ "$bench_rc" -ne 124 ] || log "benchmark hit its ${t_bench}s timeout; reporting its last line"
 
-"$py" - "$test_rc" "$test_summary" "$bench_json" "$SECONDS" <<'EOF'
+log "training step on CUDA under set_sync_debug_mode(\"error\")"
+t_step=$(($(left) - 163))
+[ "$t_step" -ge 30 ] || t_step=30
+step_json="$(timeout "$t_step" "$py" benchmarks/cuda_step_check.py | tail -1)"
+[ -n "$step_json" ] || step_json='{"ok": false, "error": "the step check produced no output (timeout?)"}'
+
+run_bench() { # $1 = name, $2 = seconds: `bench NAME --world-size 1 --device cuda --json`, its last line
+  local out
+  out="$(timeout "$2" "$py" -m ragged_optim bench "$1" --world-size 1 --device cuda --json | tail -1)"
+  [ -n "$out" ] || out="{\"error\": \"bench $1 produced no output within $2 s\"}"
+  echo "$out"
+}
+log "bench memory on CUDA"
+mem_json="$(run_bench memory $(($(left) / 2 - 2)))"
+log "bench fsdp on CUDA"
+fsdp_json="$(run_bench fsdp $(($(left) - 5)))"
+
+"$py" - "$test_rc" "$test_summary" "$bench_json" "$SECONDS" "$step_json" "$mem_json" "$fsdp_json" <<'EOF'
 import json, sys
-test_rc, summary, bench = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-try:
-    bench = json.loads(bench)
-except ValueError:
-    bench = {"ok": False, "error": "unparsable benchmark output: " + bench[:500]}
-ok = test_rc == 0 and bool(bench.get("ok"))
-print(json.dumps({"ok": ok, "tests": {"rc": test_rc, "summary": summary}, "bench": bench, "seconds": int(sys.argv[4])}))
+test_rc, summary = int(sys.argv[1]), sys.argv[2]
+
+
+def parsed(text, what):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return {"ok": False, "error": f"unparsable {what} output: " + text[:500]}
+
+
+bench, step = parsed(sys.argv[3], "benchmark"), parsed(sys.argv[5], "step check")
+memory, fsdp = parsed(sys.argv[6], "bench memory"), parsed(sys.argv[7], "bench fsdp")
+ok = test_rc == 0 and bool(bench.get("ok")) and bool(step.get("ok"))
+print(json.dumps({"ok": ok, "tests": {"rc": test_rc, "summary": summary}, "bench": bench, "step_check": step,
+                  "bench_memory": memory, "bench_fsdp": fsdp, "seconds": int(sys.argv[4])}))
 sys.exit(0 if ok else 1)
 EOF

@@ -28,19 +28,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(fn, rank, world_size, args, kwargs, store_path, timeout_s, threads, conn):
+def _child(fn, rank, world_size, args, kwargs, store_path, timeout_s, threads, conn, device="cpu"):
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
     try:
         store = dist.FileStore(store_path, world_size)
+        extra = {}
+        if device == "cuda":  # one GPU per rank, NCCL
+            extra["device_id"] = torch.device("cuda", rank % torch.cuda.device_count())
+            torch.cuda.set_device(extra["device_id"])
         dist.init_process_group(
-            "gloo",
+            "nccl" if device == "cuda" else "gloo",
             store=store,
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
+            **extra,
         )
         try:
             result = fn(rank, world_size, *args, **kwargs)
@@ -71,22 +76,32 @@ def run_on_ranks(
     *args: Any,
     timeout_s: float = 120.0,
     threads_per_rank: int | None = None,
+    device: str = "cpu",
     **kwargs: Any,
 ) -> list[Any]:
     """Call ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` forked gloo ranks; return their results.
 
     Results must be picklable. A rank that raises, dies or exceeds ``timeout_s`` ends the run with
     ``RankFailure`` naming the rank; the remaining ranks are killed, so nothing hangs.
+    ``device="cuda"``: NCCL ranks, rank r on GPU r (``fn`` must be importable: CUDA ranks are spawned, not forked).
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' (gloo) or 'cuda' (NCCL), got {device!r}")
+    if device == "cuda":
+        import torch
+
+        gpus = torch.cuda.device_count()
+        if world_size > gpus:
+            raise ValueError(f"world_size={world_size} NCCL ranks need as many GPUs; this machine has {gpus}")
     # One thread per rank by default: a forked child of a parent whose OpenMP pool has run can hang in its first
     # parallel region (GNU OpenMP is not fork-safe), and W ranks share the cores anyway.
     threads = threads_per_rank or 1
     # The first optimizer step in a process imports torch._dynamo (~2 s); do it once here, not once per rank.
     import torch._dynamo  # noqa: F401
 
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context("spawn" if device == "cuda" else "fork")  # a forked child cannot use CUDA
     with tempfile.TemporaryDirectory(prefix="ro-ranks-") as tmp:
         store_path = os.path.join(tmp, "store")
         procs, conns = [], []
@@ -94,7 +109,7 @@ def run_on_ranks(
             parent_conn, child_conn = ctx.Pipe(duplex=False)
             p = ctx.Process(
                 target=_child,
-                args=(fn, rank, world_size, args, kwargs, store_path, timeout_s, threads, child_conn),
+                args=(fn, rank, world_size, args, kwargs, store_path, timeout_s, threads, child_conn, device),
                 daemon=True,
             )
             p.start()

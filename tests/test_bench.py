@@ -207,3 +207,15 @@ def test_memory_bench_keys_and_what_it_counts():
     expected = 3 * 4 * r["params"] / 2  # fp32 shards + two AdamW moments, a half per rank
     assert expected <= r["ours_persistent_bytes_adamw"] <= r["fsdp2_persistent_bytes_adamw"] * 1.01
     assert r["ours_peak_bytes_adamw"] > r["ours_persistent_bytes_adamw"]
+
+
+def test_device_cuda_is_refused_clearly_where_it_cannot_run():
+    from ragged_optim.bench.cli import run_benchmark
+    from ragged_optim.comm.launch import run_on_ranks
+
+    with pytest.raises(ValueError, match=r"'muon' runs on CPU only \(--device is for: memory, fsdp\)"):
+        run_benchmark("muon", device="cuda")
+    with pytest.raises(ValueError, match=r"world_size=2 NCCL ranks need as many GPUs; this machine has 0"):
+        run_on_ranks(print, 2, device="cuda")
+    with pytest.raises(ValueError, match=r"device must be 'cpu' \(gloo\) or 'cuda' \(NCCL\), got 'tpu'"):
+        run_on_ranks(print, 1, device="tpu")

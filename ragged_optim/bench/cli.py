@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import importlib
 import importlib.util
+import inspect
 import json
 import os
 import sys
@@ -51,6 +52,8 @@ def run_benchmark(name: str, world_size: int | None = None, steps: int | None = 
         if e.name == _module_name(name):
             raise ValueError(f"benchmark {name!r} is not available here; available: {available()}") from None
         raise
+    if kw.get("device", "cpu") != "cpu" and "device" not in inspect.signature(module.run).parameters:
+        raise ValueError(f"benchmark {name!r} runs on CPU only (--device is for: memory, fsdp)")
     if world_size is not None:
         kw["world_size"] = world_size
     if steps is not None:
@@ -79,7 +82,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         for name in names:
             t0 = time.perf_counter()
             try:
-                results[name] = run_benchmark(name, args.world_size, args.steps)
+                extra = {"device": args.device} if args.device != "cpu" else {}
+                results[name] = run_benchmark(name, args.world_size, args.steps, **extra)
             except Exception as e:
                 if args.name != "all":
                     raise
@@ -120,6 +124,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=int, default=None, help="number of gloo ranks (default: the benchmark's, 4)")
     p.add_argument("--steps", type=int, default=None, help="timed steps (default: the benchmark's)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu: gloo ranks (default); cuda: NCCL ranks, one GPU each (benchmarks memory and fsdp)",
+    )
     p.add_argument("--out", default=None, help="JSON file (one benchmark) or folder (all; default benchmarks/results)")
     p.set_defaults(func=cmd_bench)
     return p

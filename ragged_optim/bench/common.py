@@ -16,11 +16,19 @@ import torch.distributed as dist
 
 def timed(fn: Callable[..., object], *args, group=None) -> float:
     """Wall seconds for every rank of ``group`` to finish ``fn(*args)`` (a barrier on each side)."""
+    _sync_device()
     dist.barrier(group=group)
     t0 = time.perf_counter()
     fn(*args)
+    _sync_device()
     dist.barrier(group=group)
     return time.perf_counter() - t0
+
+
+def _sync_device() -> None:
+    """Wait for queued GPU work, so a wall time covers the kernels it launched (nothing to do on CPU)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def median(xs: list[float]) -> float:

@@ -35,10 +35,10 @@ def _adamw(model, lr):
     return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
 
 
-def _measure(rank, world_size, cfg, batches, lr, ac):
+def _measure(rank, world_size, cfg, batches, lr, ac, device="cpu"):
     """Train ours and FSDP2 side by side on ``batches``; their times, counts and final full params."""
-    ours = shard_model(build_model(cfg, seed=0), "ours")
-    fsdp2 = shard_model(build_model(cfg, seed=0), "torch")
+    ours = shard_model(build_model(cfg, seed=0).to(device), "ours")
+    fsdp2 = shard_model(build_model(cfg, seed=0).to(device), "torch")
     ours.activation_checkpointing = fsdp2.activation_checkpointing = ac
     sides = {"ours": (ours, _adamw(ours, lr)), "fsdp2": (fsdp2, _adamw(fsdp2, lr))}
     times = {"ours": [], "fsdp2": []}
@@ -62,10 +62,16 @@ def _measure(rank, world_size, cfg, batches, lr, ac):
     return times, counts, full
 
 
-def _rank(rank, world_size, cfg, batch_size, steps, lr, compare_single):
-    batches = [get_batch("train", batch_size, cfg.seq_len, s, rank, world_size) for s in range(steps + 2)]
-    times, counts, full = _measure(rank, world_size, cfg, batches, lr, ac=False)
-    times_ac, _, full_ac = _measure(rank, world_size, cfg, batches, lr, ac=True)
+def _rank(rank, world_size, cfg, batch_size, steps, lr, compare_single, device="cpu"):
+    if device == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+
+    def batch(s, r):
+        return tuple(t.to(device) for t in get_batch("train", batch_size, cfg.seq_len, s, r, world_size))
+
+    batches = [batch(s, rank) for s in range(steps + 2)]
+    times, counts, full = _measure(rank, world_size, cfg, batches, lr, False, device)
+    times_ac, _, full_ac = _measure(rank, world_size, cfg, batches, lr, True, device)
     out = {
         "ours_step_s": median(times["ours"]),
         "fsdp2_step_s": median(times["fsdp2"]),
@@ -85,11 +91,11 @@ def _rank(rank, world_size, cfg, batch_size, steps, lr, compare_single):
     if rank != 0:
         return out
     if compare_single:
-        ref = build_model(cfg, seed=0)
+        ref = build_model(cfg, seed=0).to(device)
         opt = _adamw(ref, lr)
         for s in range(steps + 2):
             for r in range(world_size):
-                x, y = get_batch("train", batch_size, cfg.seq_len, s, r, world_size)
+                x, y = batch(s, r)
                 (ref(x, y) / world_size).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -116,6 +122,7 @@ def run(
     lr: float = 1e-3,
     compare_single: bool = True,
     timeout_s: float = 600.0,
+    device: str = "cpu",
     **overrides,
 ) -> dict:
     """Run the benchmark on ``world_size`` gloo ranks; ``steps`` timed steps (default 4) after a warmup and a
@@ -129,7 +136,9 @@ def run(
         overrides["seq_len"] = seq_len
     cfg = get_config(preset, **overrides)
     batch_size = batch_size or world_size
-    results = run_on_ranks(_rank, world_size, cfg, batch_size, steps, lr, compare_single, timeout_s=timeout_s)
+    results = run_on_ranks(
+        _rank, world_size, cfg, batch_size, steps, lr, compare_single, device, timeout_s=timeout_s, device=device
+    )
     out = {
         "world_size": world_size,
         "preset": preset,
@@ -137,6 +146,7 @@ def run(
         "global_batch": batch_size,
         "seq_len": cfg.seq_len,
         "timed_steps": steps,
+        "device": device,
         "harness": "one run_on_ranks call: both models per rank, ours and fsdp2 alternating each step",
     }
     out.update(results[0])

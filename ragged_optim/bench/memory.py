@@ -48,10 +48,36 @@ def _step(model, opts, x, y):
         opt.zero_grad(set_to_none=True)
 
 
-def _train_and_measure(cfg, kind, side, batches) -> dict:
+def _build(cfg, kind, side, device):
+    model = shard_model(build_model(cfg, seed=0, device=device), "ours" if side == "ours" else "torch")
+    model.activation_checkpointing = kind.endswith("_ac")
+    return model, _optimizer(model, kind, side)
+
+
+def _train_and_measure_cuda(cfg, kind, side, batches, device) -> dict:
+    """The same figures from the CUDA caching allocator's counters (synchronised, so nothing is in flight)."""
+    gc.collect()
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    model, opts = _build(cfg, kind, side, device)
+    _step(model, opts, *batches[0])
+    torch.cuda.synchronize(device)
+    level = torch.cuda.memory_allocated(device) - base
+    torch.cuda.reset_peak_memory_stats(device)
+    _step(model, opts, *batches[1])
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    del model, opts
+    gc.collect()
+    return {"peak": max(peak, level), "level_before_step2": level}
+
+
+def _train_and_measure(cfg, kind, side, batches, device="cpu") -> dict:
     """Bytes allocated at the peak of step 2, counted from before the model was built, and the level before it."""
     from torch.profiler import ProfilerActivity, profile
 
+    if torch.device(device).type == "cuda":
+        return _train_and_measure_cuda(cfg, kind, side, batches, device)
     gc.collect()  # garbage of an earlier measurement freed inside this trace would read as negative bytes
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         model = shard_model(build_model(cfg, seed=0), "ours" if side == "ours" else "torch")
@@ -81,17 +107,17 @@ def _window(prof, name: str) -> tuple[int, int]:
     raise RuntimeError(f"bench memory: the profile has no {name!r} region")
 
 
-def _init_peak(cfg) -> dict:
+def _init_peak(cfg, device="cpu") -> dict:
     def build():
         with torch.device("meta"):
             model = GPT(cfg, seed=None)
         shard_model(model, "ours")
-        model.to_empty(device="cpu")
+        model.to_empty(device=device)
         torch.manual_seed(0)
         init_weights(model, init_fn=_normal_init(model.config.init_std))
         return model
 
-    model, peak = peak_bytes(build)
+    model, peak = peak_bytes(build, device)
     units = units_of(model)
     shards = sum(u.local_shard.nbytes for u in units)
     largest = max(u.layout.total_size * u.local_shard.element_size() for u in units)
@@ -122,16 +148,20 @@ def _breakdown(cfg, world_size) -> dict:
     return {"params": per_rank, "grads": per_rank, "optimizer_state_adamw": 2 * per_rank}
 
 
-def _rank(rank, world_size, cfg, batch_size, configs):
-    batches = [get_batch("train", batch_size, cfg.seq_len, s, rank, world_size) for s in range(2)]
+def _rank(rank, world_size, cfg, batch_size, configs, device="cpu"):
+    if device == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    batches = [
+        tuple(t.to(device) for t in get_batch("train", batch_size, cfg.seq_len, s, rank, world_size)) for s in range(2)
+    ]
     out = {}
     for kind in configs:
         for side in ("ours", "fsdp2"):
             dist.barrier()
-            r = _train_and_measure(cfg, kind, side, batches)
+            r = _train_and_measure(cfg, kind, side, batches, device)
             out[f"{side}_peak_bytes_{kind}"] = r["peak"]
             out[f"{side}_persistent_bytes_{kind}"] = r["level_before_step2"]
-    out.update(_init_peak(cfg))
+    out.update(_init_peak(cfg, device))
     return out
 
 
@@ -144,6 +174,7 @@ def run(
     seq_len: int | None = 32,
     configs: tuple[str, ...] = CONFIGS,
     timeout_s: float = 2400.0,
+    device: str = "cpu",
     **overrides,
 ) -> dict:
     """Peak bytes per rank (max over ranks) for each configuration; ``steps`` is ignored (always two). The 54M
@@ -154,14 +185,20 @@ def run(
         overrides["seq_len"] = seq_len
     cfg = get_config(preset, **overrides)
     batch_size = batch_size or world_size
-    results = run_on_ranks(_rank, world_size, cfg, batch_size, configs, timeout_s=timeout_s)
+    results = run_on_ranks(_rank, world_size, cfg, batch_size, configs, device, timeout_s=timeout_s, device=device)
     out = {
         "world_size": world_size,
         "preset": preset,
         "params": num_params(build_model(cfg, device="meta")),
         "global_batch": batch_size,
         "seq_len": cfg.seq_len,
-        "measure": "CPU allocator events (torch.profiler profile_memory), peak of step 2, max over ranks",
+        "device": device,
+        "measure": (
+            "CUDA caching allocator (max_memory_allocated)"
+            if device == "cuda"
+            else "CPU allocator events (torch.profiler profile_memory)"
+        )
+        + ", peak of step 2, max over ranks",
     }
     for key in results[0]:
         out[key] = max(r[key] for r in results)
