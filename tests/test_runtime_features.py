@@ -4,6 +4,7 @@ torch.compile of sharded blocks. Each test failed on main for the reason its doc
 import pytest
 import torch
 from fsdp_models import Awkward, batch, local_rows, loss_fn, make_model, shard
+from noise_bounds import allowed
 from torch import nn
 
 from ragged_optim.comm.counter import count_collectives
@@ -161,7 +162,7 @@ def test_no_sync_accumulates_in_the_reduce_dtype():
     ref = _one_process_bf16_grads(2)
     noise = max(_gdist(r["fsdp2"], ref), _gdist(_one_process_bf16_grads(2, reverse=True), ref))
     bf16_error = _gdist(_one_process_bf16_grads(2, accumulate_in=torch.bfloat16), ref)
-    assert _gdist(r["ours"], ref) <= 4 * noise < bf16_error
+    assert _gdist(r["ours"], ref) <= allowed(noise, 1.0) < bf16_error  # relative gaps: ulps of 1
 
 
 # ------------------------------------------------------------------------------------------------ torch.compile

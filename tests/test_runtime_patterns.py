@@ -11,6 +11,7 @@ differently (the float reassociation noise of this CPU). Each test failed on mai
 import pytest
 import torch
 from fsdp_models import batch, local_rows, loss_fn, make_model, shard
+from noise_bounds import allowed
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -33,6 +34,10 @@ def _dist(a, b):
     return max((x - y).abs().max().item() for x, y in zip(a, b))
 
 
+def _mag(values):
+    return max(v.abs().max().item() for v in values)
+
+
 def one_process(steps=STEPS, micro_batches=1, step_fn=None, make=make_model):
     """The reference: every rank's rows as consecutive micro-batches of one process (loss / micro_batches)."""
     model = make()
@@ -52,10 +57,10 @@ def one_process(steps=STEPS, micro_batches=1, step_fn=None, make=make_model):
 
 
 def bound(world_size, measured, **kw):
-    """4x the larger of the measured references (see the module docstring)."""
+    """4x the larger of the measured references + 4 float32 ulps of the params (tests/noise_bounds.py)."""
     a = one_process(micro_batches=max(world_size, 2), **kw)
     b = one_process(micro_batches=1, **kw)
-    return 4 * max(_dist(a, b), measured)
+    return allowed(max(_dist(a, b), measured), _mag(a))
 
 
 # ------------------------------------------------------------------------------------ activation checkpointing
@@ -173,7 +178,7 @@ def test_transformers_llama_with_gradient_checkpointing():
             opt.zero_grad()
         refs.append(_params(model))
     noise = max(_dist(refs[0], refs[1]), _dist(r["fsdp2"], refs[0]))
-    assert _dist(r["ours"], refs[0]) <= 4 * noise
+    assert _dist(r["ours"], refs[0]) <= allowed(noise, _mag(refs[0]))
 
 
 # ------------------------------------------------------------------------------------------- unused parameters
@@ -313,8 +318,10 @@ def test_data_dependent_unused_experts(skip_empty, per_expert_units, unused_ever
     expert3 = grads[n_before + 3 * 4 : n_before + 4 * 4]
     assert all((torch.count_nonzero(g) == 0) == unused_everywhere for g in expert3)
     assert all(torch.count_nonzero(g) > 0 for g in grads[n_before : n_before + 4])  # expert 0 did get grads
-    assert _dist(grads, ref_grads) <= 4 * max(_dist(g, ref_grads) for _, g in others)
-    assert _dist(params, ref_params) <= 4 * max(_dist(p, ref_params) for p, _ in others)
+    # + 4 ulps: under ATEN_CPU_CAPABILITY=default with one thread the other batchings rounded almost like the
+    # reference (1.9e-9) while ours was 1 ulp off (1.5e-8)
+    assert _dist(grads, ref_grads) <= allowed(max(_dist(g, ref_grads) for _, g in others), _mag(ref_grads))
+    assert _dist(params, ref_params) <= allowed(max(_dist(p, ref_params) for p, _ in others), _mag(ref_params))
 
 
 # ------------------------------------------------------------------- eval forwards, two forwards, model.eval()
