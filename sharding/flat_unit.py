@@ -83,7 +83,7 @@ class FlatUnit:
         self.grad_buf = None  # [W*S] param dtype, alive from pre-backward to the reduce-scatter
         self.is_unsharded = False
         self.stale = True
-        self.streams = NO_STREAMS  # the root's side streams, set at its lazy init (see streams.py)
+        self.streams = NO_STREAMS  # the root's side streams, bound at each iteration's start (see streams.py)
         self.pending_gather = None  # (work, staging tensor, version, event) of an all-gather in flight
         self.pending_reduce = None  # (work, output, op, post-divisor, event) of a reduce-scatter in flight
         self.reduce_input = None  # the flat grads a reduce-scatter in flight reads

@@ -93,7 +93,7 @@ class RootContext:
         units = [u for s in self.states for u in s.units if u.sharded_params]
         if not units:
             return
-        if self.streams is None or self.streams.device != units[0].device:
+        if self.streams is None or not self.streams.serves(units[0].device):
             self.streams = CommStreams.for_device(units[0].device)
         for u in units:
             u.streams = self.streams

@@ -49,6 +49,10 @@ class CommStreams:
     def for_device(cls, device: torch.device) -> CommStreams:
         return cls(device, device_module(torch.device(device)))
 
+    def serves(self, device: torch.device) -> bool:
+        """Whether these streams are ``device``'s ("cuda" means the current CUDA device, as tensors do)."""
+        return _indexed(self.device, self._mod) == _indexed(torch.device(device), self._mod)
+
     def issue(self, stream, fn, *, after=None):
         """Run ``fn`` (issues async collectives, returns a work handle or None) on ``stream`` once ``after`` (default:
         the compute stream) is done; returns ``(work, event)``, exactly one of them not None unless ``fn`` returned
@@ -77,6 +81,12 @@ class CommStreams:
             work.wait()
         if event is not None:
             self._mod.current_stream().wait_event(event)
+
+
+def _indexed(device: torch.device, mod) -> torch.device:
+    if device.index is None and mod is not None and hasattr(mod, "current_device"):
+        return torch.device(device.type, mod.current_device())
+    return device
 
 
 class _NoStreams(CommStreams):
