@@ -80,9 +80,7 @@ def _train_and_measure(cfg, kind, side, batches, device="cpu") -> dict:
         return _train_and_measure_cuda(cfg, kind, side, batches, device)
     gc.collect()  # garbage of an earlier measurement freed inside this trace would read as negative bytes
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        model = shard_model(build_model(cfg, seed=0), "ours" if side == "ours" else "torch")
-        model.activation_checkpointing = kind.endswith("_ac")
-        opts = _optimizer(model, kind, side)
+        model, opts = _build(cfg, kind, side, "cpu")
         _step(model, opts, *batches[0])
         with torch.profiler.record_function(_MARK):
             _step(model, opts, *batches[1])
