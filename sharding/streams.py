@@ -89,10 +89,5 @@ def _indexed(device: torch.device, mod) -> torch.device:
     return device
 
 
-class _NoStreams(CommStreams):
-    def __init__(self):
-        super().__init__(torch.device("cpu"), None)
-
-
 #: What a unit uses before its root's first forward (and on CPU): collectives as plain async work.
-NO_STREAMS = _NoStreams()
+NO_STREAMS = CommStreams(torch.device("cpu"))

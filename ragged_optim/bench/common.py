@@ -25,6 +25,13 @@ def timed(fn: Callable[..., object], *args, group=None) -> float:
     return time.perf_counter() - t0
 
 
+def rank_device() -> torch.device:
+    """The device a benchmark rank works on: its GPU under NCCL (``run_on_ranks(device="cuda")``), else the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _sync_device() -> None:
     """Wait for queued GPU work, so a wall time covers the kernels it launched (nothing to do on CPU)."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ragged_optim.bench.common import median, timed
+from ragged_optim.bench.common import median, rank_device, timed
 from ragged_optim.comm.counter import count_collectives
 from ragged_optim.comm.launch import run_on_ranks
 from ragged_optim.data import get_batch
@@ -62,9 +62,8 @@ def _measure(rank, world_size, cfg, batches, lr, ac, device="cpu"):
     return times, counts, full
 
 
-def _rank(rank, world_size, cfg, batch_size, steps, lr, compare_single, device="cpu"):
-    if device == "cuda":
-        device = torch.device("cuda", torch.cuda.current_device())
+def _rank(rank, world_size, cfg, batch_size, steps, lr, compare_single):
+    device = rank_device()
 
     def batch(s, r):
         return tuple(t.to(device) for t in get_batch("train", batch_size, cfg.seq_len, s, r, world_size))
@@ -137,7 +136,7 @@ def run(
     cfg = get_config(preset, **overrides)
     batch_size = batch_size or world_size
     results = run_on_ranks(
-        _rank, world_size, cfg, batch_size, steps, lr, compare_single, device, timeout_s=timeout_s, device=device
+        _rank, world_size, cfg, batch_size, steps, lr, compare_single, timeout_s=timeout_s, device=device
     )
     out = {
         "world_size": world_size,

@@ -17,6 +17,7 @@ import gc
 import torch
 import torch.distributed as dist
 
+from ragged_optim.bench.common import rank_device
 from ragged_optim.comm.launch import run_on_ranks
 from ragged_optim.data import get_batch
 from ragged_optim.memory import allocation_timeline, peak_bytes
@@ -146,9 +147,8 @@ def _breakdown(cfg, world_size) -> dict:
     return {"params": per_rank, "grads": per_rank, "optimizer_state_adamw": 2 * per_rank}
 
 
-def _rank(rank, world_size, cfg, batch_size, configs, device="cpu"):
-    if device == "cuda":
-        device = torch.device("cuda", torch.cuda.current_device())
+def _rank(rank, world_size, cfg, batch_size, configs):
+    device = rank_device()
     batches = [
         tuple(t.to(device) for t in get_batch("train", batch_size, cfg.seq_len, s, rank, world_size)) for s in range(2)
     ]
@@ -183,7 +183,7 @@ def run(
         overrides["seq_len"] = seq_len
     cfg = get_config(preset, **overrides)
     batch_size = batch_size or world_size
-    results = run_on_ranks(_rank, world_size, cfg, batch_size, configs, device, timeout_s=timeout_s, device=device)
+    results = run_on_ranks(_rank, world_size, cfg, batch_size, configs, timeout_s=timeout_s, device=device)
     out = {
         "world_size": world_size,
         "preset": preset,
