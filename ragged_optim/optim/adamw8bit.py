@@ -49,7 +49,7 @@ from ragged_optim.kernels.adamw8bit_ref import ieee_sqrt_
 from ragged_optim.optim.base import full_shape, is_dtensor, local, process_group, scalar
 from ragged_optim.optim.blocks import local_range
 from ragged_optim.optim.muon import adamw_group_update_
-from ragged_optim.optim.optimizer import RaggedOptimizer, check_real, check_reals
+from ragged_optim.optim.optimizer import RaggedOptimizer, check_int, check_real, check_reals
 from ragged_optim.sharding import BlockSpec, shard_info
 from ragged_optim.sharding.state_dict import optimizer_state_from_dcp
 
@@ -154,8 +154,7 @@ class AdamW8bit(RaggedOptimizer):
         bs = g["block_size"]
         if not isinstance(bs, int) or isinstance(bs, bool) or bs < 1:
             raise ValueError(f"block_size must be a positive int, got {bs!r}")
-        if not isinstance(g["min_8bit_size"], int) or isinstance(g["min_8bit_size"], bool) or g["min_8bit_size"] < 0:
-            raise ValueError(f"min_8bit_size must be an int >= 0, got {g['min_8bit_size']!r}")
+        check_int("min_8bit_size", g["min_8bit_size"], 0)
         qm = g["qmaps"]
         if isinstance(qm, list | tuple):
             qm = g["qmaps"] = tuple(qm)

@@ -50,6 +50,13 @@ def check_reals(name: str, value: Any, form: str) -> tuple:
     raise TypeError(f"{name} must be {form}, a tuple of {n} real numbers, got {_shown(value)}")
 
 
+def check_int(name: str, value: Any, at_least: int) -> int:
+    """A count or size: an int (not a bool) of at least ``at_least``, or a ValueError naming ``name``."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < at_least:
+        raise ValueError(f"{name} must be an int >= {at_least}, got {value!r}")
+    return value
+
+
 def check_bool(name: str, value: Any) -> bool:
     """A flag must be a bool: ``bool("false")`` is True, so a string would silently mean the opposite."""
     if isinstance(value, bool):

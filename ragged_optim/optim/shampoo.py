@@ -49,7 +49,7 @@ from torch import Tensor
 
 from ragged_optim.kernels.matrix_root import RootInverseError, matrix_inverse_root
 from ragged_optim.optim.base import full_shape, local, scalar
-from ragged_optim.optim.optimizer import BandPreconditionerChecks, RaggedOptimizer, check_real, check_reals
+from ragged_optim.optim.optimizer import BandPreconditionerChecks, RaggedOptimizer, check_int, check_real, check_reals
 from ragged_optim.sharding import BlockSpec
 
 __all__ = ["Shampoo", "GRAFTING_METHODS", "shampoo_band_spec", "matrix_view_shape"]
@@ -258,12 +258,8 @@ class Shampoo(BandPreconditionerChecks, RaggedOptimizer):
             raise ValueError(f"epsilon must be > 0 (it keeps the inverse roots finite), got {g['epsilon']}")
         if not g["weight_decay"] >= 0.0:
             raise ValueError(f"weight_decay must be >= 0, got {g['weight_decay']}")
-        B = g["max_preconditioner_dim"]
-        if not isinstance(B, int) or isinstance(B, bool) or B < 1:
-            raise ValueError(f"max_preconditioner_dim must be an int >= 1, got {B!r}")
-        f = g["precondition_frequency"]
-        if not isinstance(f, int) or isinstance(f, bool) or f < 1:
-            raise ValueError(f"precondition_frequency must be an int >= 1, got {f!r}")
+        check_int("max_preconditioner_dim", g["max_preconditioner_dim"], 1)
+        f = check_int("precondition_frequency", g["precondition_frequency"], 1)
         if g["start_preconditioning_step"] is None:
             g["start_preconditioning_step"] = f
         s = g["start_preconditioning_step"]

@@ -59,7 +59,14 @@ from torch import Tensor
 
 from ragged_optim.optim.base import full_shape, local, scalar
 from ragged_optim.optim.blocks import all_reduce_over_shards
-from ragged_optim.optim.optimizer import BandPreconditionerChecks, RaggedOptimizer, check_bool, check_real, check_reals
+from ragged_optim.optim.optimizer import (
+    BandPreconditionerChecks,
+    RaggedOptimizer,
+    check_bool,
+    check_int,
+    check_real,
+    check_reals,
+)
 from ragged_optim.optim.shampoo import matrix_view_shape, shampoo_band_spec
 
 __all__ = [
@@ -279,9 +286,7 @@ class SOAP(BandPreconditionerChecks, RaggedOptimizer):
         if not g["weight_decay"] >= 0.0:
             raise ValueError(f"weight_decay must be >= 0, got {g['weight_decay']}")
         for k in ("max_preconditioner_dim", "precondition_frequency"):
-            v = g[k]
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{k} must be an int >= 1, got {v!r}")
+            check_int(k, g[k], 1)
         for k in ("normalize_grads", "correct_bias"):
             check_bool(k, g[k])
 
