@@ -86,3 +86,22 @@ def shard_two_linear(fully_shard, **kw):
     fully_shard(m.b, **kw)
     fully_shard(m, **kw)
     return m
+
+
+class Mats(nn.Module):
+    """Matrices of the given shapes and a 5-element bias, seeded: the optimizer tests' sharded model."""
+
+    def __init__(self, shapes, seed):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.ws = nn.ParameterList([nn.Parameter(torch.randn(*s, generator=g)) for s in shapes])
+        self.bias = nn.Parameter(torch.randn(5, generator=g))
+
+    def ordered(self):
+        return list(self.ws) + [self.bias]
+
+
+def grads_for(shapes, step, seed):
+    """Step ``step``'s full grads of ``Mats(shapes, seed)`` (matrices, then the bias), the same on every rank."""
+    g = torch.Generator().manual_seed(seed * 1000 + step)
+    return [torch.randn(*s, generator=g) for s in shapes] + [torch.randn(5, generator=g)]

@@ -8,6 +8,8 @@ import math
 
 import pytest
 import torch
+from fsdp_models import Mats
+from fsdp_models import grads_for as full_grads
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from noise_bounds import assert_within_reference
@@ -82,22 +84,6 @@ class GlobalNormSGD(torch.optim.Optimizer):
 
 
 # ------------------------------------------------------------------ models, grads, runs
-
-
-class Mats(nn.Module):
-    def __init__(self, shapes, seed):
-        super().__init__()
-        gen = torch.Generator().manual_seed(seed)
-        self.ws = nn.ParameterList([nn.Parameter(torch.randn(*s, generator=gen)) for s in shapes])
-        self.bias = nn.Parameter(torch.randn(5, generator=gen))
-
-    def ordered(self):
-        return list(self.ws) + [self.bias]
-
-
-def full_grads(shapes, step, seed):
-    gen = torch.Generator().manual_seed(seed * 1000 + step)
-    return [torch.randn(*s, generator=gen) for s in shapes] + [torch.randn(5, generator=gen)]
 
 
 def set_grads(model, shapes, step, seed):

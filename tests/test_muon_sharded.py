@@ -1,6 +1,8 @@
 """Muon on ragged-sharded and FSDP2 DTensor params equals one-process Muon (hypothesis over shapes, world sizes)."""
 
 import torch
+from fsdp_models import Mats
+from fsdp_models import grads_for as mats_grads
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from noise_bounds import assert_within_reference
@@ -15,17 +17,9 @@ from ragged_optim.sharding import full_tensor, fully_shard
 STEPS = 3
 
 
-class Mats(nn.Module):
-    def __init__(self, shapes, seed):
-        super().__init__()
-        g = torch.Generator().manual_seed(seed)
-        self.ws = nn.ParameterList([nn.Parameter(torch.randn(*s, generator=g)) for s in shapes])
-        self.bias = nn.Parameter(torch.randn(5, generator=g))
-
-
 def grads_for(shapes, step, seed):
-    g = torch.Generator().manual_seed(seed * 1000 + step)
-    return [torch.randn(*s, generator=g) for s in shapes], torch.randn(5, generator=g)
+    *mats, bias = mats_grads(shapes, step, seed)
+    return mats, bias
 
 
 def one_process(shapes, seed, ns_dtype):

@@ -4,10 +4,10 @@ all_to_all each way; band state lives on one rank."""
 
 import pytest
 import torch
+from fsdp_models import Mats, grads_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from noise_bounds import assert_within_reference
-from torch import nn
 
 from ragged_optim.comm.counter import count_collectives
 from ragged_optim.comm.launch import run_on_ranks
@@ -16,22 +16,6 @@ from ragged_optim.sharding import full_tensor, fully_shard, shard_info
 
 STEPS = 3
 OPTS = dict(lr=0.05, betas=(0.9, 1.0), epsilon=1e-6, weight_decay=0.1)
-
-
-class Mats(nn.Module):
-    def __init__(self, shapes, seed):
-        super().__init__()
-        g = torch.Generator().manual_seed(seed)
-        self.ws = nn.ParameterList([nn.Parameter(torch.randn(*s, generator=g)) for s in shapes])
-        self.bias = nn.Parameter(torch.randn(5, generator=g))
-
-    def ordered(self):
-        return list(self.ws) + [self.bias]
-
-
-def grads_for(shapes, step, seed):
-    g = torch.Generator().manual_seed(seed * 1000 + step)
-    return [torch.randn(*s, generator=g) for s in shapes] + [torch.randn(5, generator=g)]
 
 
 def one_process(shapes, seed, B, kw, threads_for_run=1):

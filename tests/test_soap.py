@@ -11,6 +11,7 @@ import re
 
 import pytest
 import torch
+from fsdp_models import Mats, grads_for
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from noise_bounds import assert_within_reference
@@ -414,24 +415,8 @@ def test_exported_from_the_package():
 # ----------------------------------------------------------------------------------------------- sharded
 
 
-class Mats(nn.Module):
-    def __init__(self, shapes, seed):
-        super().__init__()
-        g = torch.Generator().manual_seed(seed)
-        self.ws = nn.ParameterList([nn.Parameter(torch.randn(*s, generator=g)) for s in shapes])
-        self.bias = nn.Parameter(torch.randn(5, generator=g))
-
-    def ordered(self):
-        return list(self.ws) + [self.bias]
-
-
 STEPS = 4  # the first step only accumulates: three updates, one basis refresh at precondition_frequency=2
 OPTS = dict(lr=0.05, precondition_frequency=2, weight_decay=0.1)
-
-
-def grads_for(shapes, step, seed):
-    g = torch.Generator().manual_seed(seed * 1000 + step)
-    return [torch.randn(*s, generator=g) for s in shapes] + [torch.randn(5, generator=g)]
 
 
 def one_process(case, threads=1):
