@@ -5,6 +5,7 @@ world size; rank 0 saves both models' full state dicts to argv[2]."""
 
 import sys
 
+import fsdp_models
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -15,19 +16,7 @@ import ragged_optim as ro
 
 
 def tiny_llama(seed):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=97,
-        hidden_size=32,
-        intermediate_size=50,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    return LlamaForCausalLM(cfg)
+    return fsdp_models.tiny_llama(seed, vocab_size=97, intermediate_size=50)
 
 
 def main(path, out):

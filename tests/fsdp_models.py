@@ -105,3 +105,13 @@ def grads_for(shapes, step, seed):
     """Step ``step``'s full grads of ``Mats(shapes, seed)`` (matrices, then the bias), the same on every rank."""
     g = torch.Generator().manual_seed(seed * 1000 + step)
     return [torch.randn(*s, generator=g) for s in shapes] + [torch.randn(5, generator=g)]
+
+
+def tiny_llama(seed=0, **config):
+    """A tiny transformers ``LlamaForCausalLM`` built from a config (no download), seeded; ``config`` overrides."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)  # fmt: skip
+    return LlamaForCausalLM(LlamaConfig(**{**cfg, **config}))

@@ -16,6 +16,7 @@ import warnings
 
 import pytest
 import torch
+from fsdp_models import tiny_llama
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -70,19 +71,8 @@ def test_heavy_tailed_grads_step_at_most_2x_lr():
 def test_tiny_llama_embeddings_step_at_most_2x_lr():
     """A tiny transformers LlamaForCausalLM (built from a config) on Zipf-distributed tokens, so rare vocabulary
     rows get a gradient now and then: 30 steps at lr 1e-3, every param steps at most 2x lr."""
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg)
+    pytest.importorskip("transformers")
+    model = tiny_llama(0, vocab_size=512, hidden_size=64, intermediate_size=128)
     lr = 1e-3
     opt = AdamW8bit(model.parameters(), lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
     g = torch.Generator().manual_seed(1)

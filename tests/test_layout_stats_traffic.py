@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from fsdp_models import local_rows
+from fsdp_models import local_rows, tiny_llama
 
 import ragged_optim as ro
 from ragged_optim.comm.counter import count_collectives
@@ -14,25 +14,8 @@ from ragged_optim.comm.launch import run_on_ranks
 from ragged_optim.sharding.planner import layout_stats
 
 
-def _tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    return LlamaForCausalLM(cfg)
-
-
 def _moved_and_sent(rank, world_size):
-    model = _tiny_llama()
+    model = tiny_llama()
     for layer in model.model.layers:
         ro.fully_shard(layer)
     ro.fully_shard(model)

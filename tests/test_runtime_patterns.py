@@ -10,7 +10,7 @@ differently (the float reassociation noise of this CPU). Each test failed on mai
 
 import pytest
 import torch
-from fsdp_models import batch, local_rows, loss_fn, make_model, shard
+from fsdp_models import batch, local_rows, loss_fn, make_model, shard, tiny_llama
 from noise_bounds import allowed
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -113,23 +113,6 @@ def test_activation_checkpointing_trains_like_one_process(mode, world_size):
     assert _dist(r["ours"], ref) <= bound(world_size, fsdp2)
 
 
-def _tiny_llama(seed=0):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    return LlamaForCausalLM(cfg)
-
-
 def _llama_batch(step, n=12, seq=8):
     g = torch.Generator().manual_seed(500 + step)
     return torch.randint(0, 96, (n, seq), generator=g)
@@ -148,7 +131,7 @@ def _train_llama(rank, world_size):
 
     out = {}
     for name, fs in [("ours", fully_shard), ("fsdp2", torch_fully_shard)]:
-        model = _tiny_llama()
+        model = tiny_llama()
         model.gradient_checkpointing_enable()
         model.train()
         for layer in model.model.layers:
@@ -167,7 +150,7 @@ def test_transformers_llama_with_gradient_checkpointing():
     r = run_on_ranks(_train_llama, world_size)[0]
     refs = []
     for micro in (world_size, 1):  # the one-process run, and the same rows batched differently
-        model = _tiny_llama()
+        model = tiny_llama()
         opt = _opt(model)
         for step in range(2):
             ids = _llama_batch(step)
