@@ -4,7 +4,8 @@ optimizer's step reads exactly one value (the non-finite flag, decided on the de
 ``ragged_optim.testing.host_reads`` records every host read of tensor data (``.item()``, ``bool(t)``,
 ``.tolist()``, ``nonzero``, ...): on a GPU each would be a device-to-host sync (what
 ``torch.cuda.set_sync_debug_mode("error")`` catches), found here on CPU. Step counters are CPU tensors by design
-(as in torch.optim) and allowed."""
+(as in torch.optim) and allowed. torch FSDP2 + torch.optim.AdamW on the same model runs as the control (it reads
+nothing either; its reads are shown when ours fail)."""
 
 import pytest
 import torch
@@ -25,8 +26,25 @@ OPTIMIZERS = {
 }
 
 
+def _fsdp2_control():
+    """torch FSDP2 + torch.optim.AdamW (foreach) on the same model: what the same step reads there."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    model = make_model()
+    shard(model, torch_fully_shard, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    reads = []
+    for step in range(2):
+        with host_reads(allow=[s["step"] for s in opt.state.values()]) as r:
+            loss_fn(model, *batch(step)).backward()
+            opt.step()
+        opt.zero_grad()
+        reads.append([str(x) for x in r])
+    return reads[-1]
+
+
 def _steps(rank, world_size, names):
-    out = {}
+    out = {"fsdp2": _fsdp2_control()}
     for name in names:
         model = make_model()
         shard(model, ro.fully_shard, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
@@ -49,9 +67,10 @@ def test_training_steps_read_nothing_on_the_host_but_the_nonfinite_flag():
     """Failed before: AdamW8bit's step read 28 values (each hyperparameter rounded to float32 through a tensor)."""
     names = tuple(OPTIMIZERS)
     for rank_out in run_on_ranks(_steps, 2, names):
+        fsdp2 = rank_out["fsdp2"]  # the control: FSDP2's forward + backward + AdamW step after warm-up
         for name in names:
             (_, _), (fb_skip, step_skip), (fb_off, step_off) = rank_out[name]
-            assert fb_skip == [] and fb_off == [], (name, fb_skip, fb_off)
+            assert fb_skip == [] and fb_off == [], (name, fb_skip, fb_off, "FSDP2:", fsdp2)
             assert len(step_skip) == 1 and "nonfinite.py" in step_skip[0], (name, step_skip)
             assert step_off == [], (name, step_off)
 
