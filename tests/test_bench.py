@@ -213,7 +213,7 @@ def test_device_cuda_is_refused_clearly_where_it_cannot_run():
     from ragged_optim.bench.cli import run_benchmark
     from ragged_optim.comm.launch import run_on_ranks
 
-    with pytest.raises(ValueError, match=r"'muon' runs on CPU only \(--device is for: memory, fsdp\)"):
+    with pytest.raises(ValueError, match=r"'muon' runs on CPU only \(--device is for: memory, fsdp, peers\)"):
         run_benchmark("muon", device="cuda")
     with pytest.raises(ValueError, match=r"world_size=2 NCCL ranks need as many GPUs; this machine has 0"):
         run_on_ranks(print, 2, device="cuda")

@@ -417,7 +417,7 @@ def test_muon_param_groups_head_rules_and_exclude():
 
 
 @pytest.mark.parametrize("batched", [True, False])
-def test_seam_one_orthogonalize_call_per_step_and_batched_matmul_option(batched, capsys, monkeypatch):
+def test_seam_orthogonalize_calls_per_step_and_batched_matmul_option(batched, capsys, monkeypatch):
     calls = []
     sizes = spy_baddbmm(monkeypatch)
 
@@ -436,7 +436,10 @@ def test_seam_one_orthogonalize_call_per_step_and_batched_matmul_option(batched,
     ours = Recording(groups, ns_matmul="native")
     theirs = torch.optim.Muon(qs, lr=0.02, weight_decay=0.0)
     run_steps([ours, theirs], [ps, qs], steps=3)
-    assert calls == [[tuple(s) for s in SHAPES]] * 3  # all groups in one call per step
+    if batched:  # all groups in one call per step, so that same-shape matrices can share a batch
+        assert calls == [[tuple(s) for s in SHAPES]] * 3
+    else:  # plain tensors have no cut matrices: each param alone, right after its momentum (one update alive)
+        assert calls == [[tuple(s)] for s in SHAPES] * 3
     # Only the two 16x16 params share a shape: with the option on, they go through baddbmm as one batch of 2
     # (2 calls per NS iteration, 3 steps); every other matrix is alone and takes the 2-D path.
     assert sizes == ([2] * (2 * DEFAULT_NS_STEPS * 3) if batched else [])
@@ -454,3 +457,28 @@ def test_seam_one_orthogonalize_call_per_step_and_batched_matmul_option(batched,
         run_steps([torch.optim.Muon(xs, lr=0.02, weight_decay=0.0)], [xs], steps=3)
     noise = displacement_gap(qs, xs, qs0)
     assert_within_reference(displacement_gap(ps, qs, qs0), noise, 1.0, "batched-matmul Muon vs torch.optim.Muon")
+
+
+def test_step_peak_memory_no_more_than_torch_muon():
+    """A step keeps one Muon update alive at a time, as torch.optim.Muon does (it once kept every param's update
+    until all were orthogonalized: the whole model's matrices again). Measured against torch's step on the same
+    params and grads, in the same run (CPU allocator events)."""
+    from ragged_optim.memory import peak_bytes
+
+    shapes = [(96, 64)] * 8
+    ps = make_params(shapes)
+    qs = clone_params(ps)
+    grads = [torch.randn(s, generator=torch.Generator().manual_seed(7 + i)) for i, s in enumerate(shapes)]
+    ours = Muon(ps, ns_matmul="native")
+    theirs = torch.optim.Muon(qs, lr=0.02, weight_decay=0.0)
+    peaks = []
+    for opt, params in ((ours, ps), (theirs, qs)):
+        for step in range(2):  # the second step: state exists, only the step's temporaries are allocated
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+            _, peak = peak_bytes(opt.step)
+        peaks.append(peak)
+    assert all(torch.equal(p, q) for p, q in zip(ps, qs))
+    one_update = 96 * 64 * 4
+    print(f"\n[muon step peak] ours {peaks[0]} B, torch.optim.Muon {peaks[1]} B, one fp32 update {one_update} B")
+    assert peaks[0] <= peaks[1], peaks

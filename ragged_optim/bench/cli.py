@@ -53,7 +53,7 @@ def run_benchmark(name: str, world_size: int | None = None, steps: int | None = 
             raise ValueError(f"benchmark {name!r} is not available here; available: {available()}") from None
         raise
     if kw.get("device", "cpu") != "cpu" and "device" not in inspect.signature(module.run).parameters:
-        raise ValueError(f"benchmark {name!r} runs on CPU only (--device is for: memory, fsdp)")
+        raise ValueError(f"benchmark {name!r} runs on CPU only (--device is for: memory, fsdp, peers)")
     if world_size is not None:
         kw["world_size"] = world_size
     if steps is not None:
@@ -128,7 +128,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "--device",
         choices=("cpu", "cuda"),
         default="cpu",
-        help="cpu: gloo ranks (default); cuda: NCCL ranks, one GPU each (benchmarks memory and fsdp)",
+        help="cpu: gloo ranks (default); cuda: NCCL ranks, one GPU each (memory, fsdp), or one GPU (peers)",
     )
     p.add_argument("--out", default=None, help="JSON file (one benchmark) or folder (all; default benchmarks/results)")
     p.set_defaults(func=cmd_bench)

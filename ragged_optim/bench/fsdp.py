@@ -153,7 +153,9 @@ def run(
     out["step_time_ratio_ac"] = out["ours_step_s_ac"] / out["fsdp2_step_s_ac"]
     pairs = [a / b for a, b in zip(out["ours_step_times_s"], out["fsdp2_step_times_s"])]
     out["step_time_ratio_paired_median"] = median(pairs)
-    out["bytes_ratio"] = out["ours_bytes_per_step"] / max(1, out["fsdp2_bytes_per_step"])
+    # FSDP2 skips its collectives at world size 1 (a local copy); a ratio to 0 bytes would mean nothing.
+    fsdp2_bytes = out["fsdp2_bytes_per_step"]
+    out["bytes_ratio"] = out["ours_bytes_per_step"] / fsdp2_bytes if fsdp2_bytes else None
     out["ranks_agree_on_counts"] = all(
         r["ours_comm"] == results[0]["ours_comm"] and r["fsdp2_comm"] == results[0]["fsdp2_comm"] for r in results
     )

@@ -197,23 +197,29 @@ def _set_lr(opt, base: list, mult: float) -> None:
             g["lr"] = lr * mult
 
 
-def _val_loss(model, corpus) -> float:
+def _batch(split: str, i: int, seq_len: int, corpus, device, seed: int = 0):
     from ragged_optim.data import get_batch
 
+    return tuple(t.to(device) for t in get_batch(split, BATCH_SIZE, seq_len, i, seed=seed, corpus=corpus))
+
+
+def _sync(device) -> None:
+    """Wait for queued GPU work, so that a timer around ``opt.step()`` measures the step, not its launch."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _val_loss(model, corpus, device) -> float:
     with torch.no_grad():
-        losses = [
-            model(*get_batch("val", BATCH_SIZE, model.config.seq_len, i, corpus=corpus)).item()
-            for i in range(EVAL_BATCHES)
-        ]
+        losses = [model(*_batch("val", i, model.config.seq_len, corpus, device)).item() for i in range(EVAL_BATCHES)]
     return sum(losses) / len(losses)
 
 
-def _train_seed(rows: list[str], seed: int, steps: int, corpus) -> dict[str, dict]:
+def _train_seed(rows: list[str], seed: int, steps: int, corpus, device="cpu") -> dict[str, dict]:
     """One seed: every row from the same init on the same batches, rotated order, timed ``opt.step()``."""
-    from ragged_optim.data import get_batch
     from ragged_optim.models import build_model
 
-    base_model = build_model(PRESET, seed=seed)
+    base_model = build_model(PRESET, seed=seed).to(device)  # built on the CPU: the same init on every device
     live, out = {}, {}
     for row in rows:
         model = copy.deepcopy(base_model)
@@ -228,7 +234,7 @@ def _train_seed(rows: list[str], seed: int, steps: int, corpus) -> dict[str, dic
     names = list(live)
     for s in range(steps):
         mult = lr_multiplier(s, steps)
-        x, y = get_batch("train", BATCH_SIZE, base_model.config.seq_len, s, seed=seed, corpus=corpus)
+        x, y = _batch("train", s, base_model.config.seq_len, corpus, device, seed=seed)
         k = s % max(1, len(names))
         for row in names[k:] + names[:k]:
             if out[row]["status"] != "ok":
@@ -240,8 +246,10 @@ def _train_seed(rows: list[str], seed: int, steps: int, corpus) -> dict[str, dic
                 loss.backward()
                 params = [p for p in model.parameters() if p.grad is not None]
                 before = [p.detach().clone() for p in params]
+                _sync(device)
                 t0 = time.perf_counter()
                 opt.step()
+                _sync(device)
                 out[row]["step_s"].append(time.perf_counter() - t0)
                 opt.zero_grad(set_to_none=True)
                 unit = base[0] * mult
@@ -254,14 +262,22 @@ def _train_seed(rows: list[str], seed: int, steps: int, corpus) -> dict[str, dic
     for row in names:
         if out[row]["status"] == "ok":
             model, opt, _ = live[row]
-            out[row]["val_loss"] = _val_loss(model, corpus)
+            out[row]["val_loss"] = _val_loss(model, corpus, device)
             out[row]["state_bytes_per_param"] = state_bytes(opt) / sum(p.numel() for p in model.parameters())
     return out
 
 
-def run(world_size: int | None = None, steps: int | None = None, *, seeds=DEFAULT_SEEDS, families=None) -> dict:
+def run(
+    world_size: int | None = None,
+    steps: int | None = None,
+    *,
+    seeds=DEFAULT_SEEDS,
+    families=None,
+    device: str = "cpu",
+) -> dict:
     """Train every row for ``steps`` steps (default 300) on each seed; one process (``world_size`` is ignored:
-    the CLI passes it to every benchmark)."""
+    the CLI passes it to every benchmark). ``device="cuda"``: the same runs on one GPU (the init is still drawn
+    on the CPU; each timed step is bracketed by ``torch.cuda.synchronize``)."""
     from ragged_optim.data import load_corpus
 
     steps = DEFAULT_STEPS if steps is None else steps
@@ -275,7 +291,7 @@ def run(world_size: int | None = None, steps: int | None = None, *, seeds=DEFAUL
     per_seed = {}
     for seed in seeds:
         t0 = time.perf_counter()
-        per_seed[seed] = _train_seed(rows, seed, steps, corpus)
+        per_seed[seed] = _train_seed(rows, seed, steps, corpus, device)
         print(f"[bench peers] seed {seed}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     tables: dict[str, dict[str, dict]] = {}
     for fam, fam_rows in families.items():
@@ -311,6 +327,7 @@ def run(world_size: int | None = None, steps: int | None = None, *, seeds=DEFAUL
         "seeds": list(seeds),
         "batch_size": BATCH_SIZE,
         "threads": 1,
+        "device": device if torch.device(device).type == "cpu" else torch.cuda.get_device_name(device),
         "harness": "one process; same init and batches per seed; order rotated every step; only opt.step() timed",
         "families": tables,
     }

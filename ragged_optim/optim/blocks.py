@@ -310,6 +310,14 @@ class BlockOptimizer(torch.optim.Optimizer):
         out += [spec.block_index(s) for s, _ in _local_block_spans(spec, lo, hi, numel, {s for s, _, _ in routed})]
         return sorted(out)
 
+    def has_cut_blocks(self, p: Tensor) -> bool:
+        """Whether :meth:`map_blocks` moves data between ranks for ``p`` (a block of it is cut by a rank boundary, or
+        computed by an owner that does not hold it). Such params must reach ``map_blocks`` together, with the same
+        params on every rank of their group; a param without cut blocks may also be mapped alone, each rank on its
+        own (so that only one param's temporaries are alive at a time). The answer is the same on every rank."""
+        group = process_group(p)
+        return group is not None and bool(self._routing(group).routed.get(id(p)))
+
     def map_blocks(
         self,
         fn: Callable[[list[Block]], list[Tensor]],

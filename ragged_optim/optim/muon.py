@@ -219,7 +219,9 @@ class Muon(RaggedOptimizer):
     """
 
     #: Passed to :func:`newton_schulz` as ``batched_matmul``: False keeps every matrix's result bitwise equal to
-    #: orthogonalizing it alone (and to torch.optim.Muon); True batches same-shape matrices through ``baddbmm``.
+    #: orthogonalizing it alone (and to torch.optim.Muon); True batches same-shape matrices through ``baddbmm``,
+    #: which keeps every Muon param's update alive until the batch is done (False: one at a time, except for params
+    #: whose matrices a rank boundary cuts, which are exchanged together).
     ns_batched_matmul: bool = False
 
     def __init__(
@@ -504,12 +506,22 @@ class Muon(RaggedOptimizer):
                 if grad is None:
                     continue
                 if group["use_muon"]:
-                    items.append(MuonItem(p, self._local_muon_update(local(p), local(grad), group, key=p), group))
+                    item = MuonItem(p, self._local_muon_update(local(p), local(grad), group, key=p), group)
+                    if self.ns_batched_matmul or self.has_cut_blocks(p):
+                        items.append(item)
+                    else:  # its matrices are all here: done now, so one update is alive at a time (torch's peak)
+                        self._finish_muon_items([item])
                 else:
                     for lst, x in zip(adamw, (p, grad, self.state[p])):
                         lst.append(x)
             adamw_group_update_(*adamw, group)
         if items:
-            for item, ortho in zip(items, self._orthogonalize_updates(items)):
-                self._apply_muon_update(item, ortho)
+            self._finish_muon_items(items)
         return loss
+
+    def _finish_muon_items(self, items: list[MuonItem]) -> None:
+        """Phases (b) and (c) for ``items``: the params whose matrices a rank boundary cuts go through here together
+        (one exchange each way per process group); each other param alone, right after its phase (a), unless
+        ``ns_batched_matmul`` asks for same-shape matrices of different params to share a batch."""
+        for item, ortho in zip(items, self._orthogonalize_updates(items)):
+            self._apply_muon_update(item, ortho)
