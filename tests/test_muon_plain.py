@@ -473,7 +473,7 @@ def test_step_peak_memory_no_more_than_torch_muon():
     theirs = torch.optim.Muon(qs, lr=0.02, weight_decay=0.0)
     peaks = []
     for opt, params in ((ours, ps), (theirs, qs)):
-        for step in range(2):  # the second step: state exists, only the step's temporaries are allocated
+        for _ in range(2):  # the second step: state exists, only the step's temporaries are allocated
             for p, g in zip(params, grads):
                 p.grad = g.clone()
             _, peak = peak_bytes(opt.step)
