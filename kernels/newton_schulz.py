@@ -45,6 +45,7 @@ __all__ = [
     "resolve_ns_matmul",
 ]
 
+_CASTS = {torch.bfloat16: Tensor.bfloat16, torch.float16: Tensor.half, torch.float32: Tensor.float}
 DEFAULT_NS_COEFFICIENTS: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
 DEFAULT_NS_STEPS = 5
 DEFAULT_NS_EPS = 1e-7
@@ -82,6 +83,7 @@ def newton_schulz(
     dtype: torch.dtype = torch.bfloat16,
     batched_matmul: bool = False,
     matmul: str = "auto",
+    out_dtype: torch.dtype | None = None,
 ) -> Tensor:
     """Orthogonalize ``G`` (shape ``[..., m, n]``) with ``steps`` quintic Newton-Schulz iterations.
 
@@ -99,9 +101,11 @@ def newton_schulz(
         matmul: ``"auto"``, ``"native"`` (torch.optim.Muon's ops, bitwise) or ``"upcast"`` (operands rounded to
             ``dtype``, each matmul in float32; bf16 and fp16 only, fp32/fp64 compute is left alone); see the module
             docstring.
+        out_dtype: the result's dtype (default ``G``'s). ``dtype`` skips the final cast: a caller that adds the
+            result to an fp32 tensor (``p.add_(o, alpha=...)``, as torch.optim.Muon does) gets the same bits.
 
     Returns:
-        A new tensor with ``G``'s shape and dtype (``G`` is never modified).
+        A new tensor with ``G``'s shape and ``out_dtype`` (``G`` is never modified).
     """
     if G.ndim < 2:
         raise ValueError(f"newton_schulz needs a matrix or a batch of matrices [..., m, n], got shape {tuple(G.shape)}")
@@ -112,10 +116,10 @@ def newton_schulz(
     if steps < 0:
         raise ValueError(f"steps must be >= 0, got {steps}")
     a, b, c = coefficients
-    out_dtype = G.dtype
+    out_dtype = G.dtype if out_dtype is None else out_dtype
     m, n = G.shape[-2], G.shape[-1]
     if G.numel() == 0:
-        return torch.zeros_like(G)
+        return torch.zeros_like(G, dtype=out_dtype)
     transpose = m > n
     # fp32 and fp64 compute have nothing to upcast to: "upcast" only changes bf16 and fp16.
     upcast = resolve_ns_matmul(matmul, dtype, G.device) == "upcast" and dtype in (torch.bfloat16, torch.float16)
@@ -124,7 +128,8 @@ def newton_schulz(
     r = (lambda t: t.to(dtype).to(compute)) if upcast else (lambda t: t)
 
     if G.ndim == 2:
-        return _ns_matrix(G, steps, a, b, c, eps, dtype, compute, r, transpose).to(out_dtype)
+        X = _ns_matrix(G, steps, a, b, c, eps, dtype, compute, r, transpose)
+        return X if X.dtype == out_dtype else X.to(out_dtype)
 
     batch_shape = G.shape[:-2]
     flat = G.reshape(-1, m, n)
@@ -148,15 +153,12 @@ def newton_schulz(
 def _ns_matrix(G: Tensor, steps: int, a: float, b: float, c: float, eps: float, dtype, compute, r, transpose: bool):
     """One 2-D matrix, torch.optim.Muon's sequence of ops (whole-tensor norm, addmm) run in ``compute`` with every
     result rounded by ``r`` (identity when ``compute == dtype``: exactly torch's ops); returns ``dtype``."""
-    X = G.to(dtype, copy=True)
-    if compute != dtype:
-        X = X.to(compute)
+    if compute == dtype:
+        return _ns_matrix_native(G, steps, a, b, c, eps, dtype, transpose)
+    X = G.to(dtype, copy=True).to(compute)
     if transpose:
         X = X.T
-    if compute == dtype:
-        X.div_(X.norm().clamp(min=eps))
-    else:  # the same rounding points as the in-dtype ops: the norm, its clamp, the quotient
-        X = r(X / r(r(X.norm()).clamp(min=eps)))
+    X = r(X / r(r(X.norm()).clamp(min=eps)))  # the same rounding points as the in-dtype ops
     for _ in range(steps):
         A = r(X @ X.T)
         B = r(torch.addmm(A, A, A, beta=b, alpha=c))
@@ -164,3 +166,20 @@ def _ns_matrix(G: Tensor, steps: int, a: float, b: float, c: float, eps: float, 
     if transpose:
         X = X.T
     return X.to(dtype)
+
+
+def _ns_matrix_native(G: Tensor, steps: int, a: float, b: float, c: float, eps: float, dtype, transpose: bool):
+    """:func:`_ns_matrix` in ``dtype`` itself: torch.optim.Muon's ops and nothing else (no rounding calls, no
+    casts), since on a GPU a small matrix's Newton-Schulz is bound by the host's per-op cost."""
+    # A copy either way. Tensor.bfloat16() & co. cost the host less than .to(dtype) (measured: ~3% of a small
+    # matrix's Newton-Schulz on CPU, where the host's per-op cost is what a GPU step waits on).
+    cast = _CASTS.get(dtype) if G.dtype != dtype else None
+    X = cast(G) if cast is not None else G.to(dtype, copy=True)
+    if transpose:
+        X = X.T
+    X.div_(X.norm().clamp(min=eps))
+    for _ in range(steps):
+        A = X @ X.T
+        B = torch.addmm(A, A, A, beta=b, alpha=c)
+        X = torch.addmm(X, B, X, beta=a)
+    return X.T if transpose else X

@@ -59,6 +59,10 @@ ADAMW_GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")
 _ADAMW_PREFIXED = tuple(f"adamw_{k}" for k in ADAMW_GROUP_KEYS)  # the constructor's defaults for AdamW groups
 
 
+#: The methods of phases (b) and (c); a subclass that overrides one of them keeps every param on that path.
+_PHASE_BC_METHODS = ("_orthogonalize_updates", "_orthogonalize_blocks", "_apply_muon_update")
+
+
 class MuonItem(NamedTuple):
     """One Muon param's update on its way from phase (a) to phase (b)/(c) of :meth:`Muon.step`."""
 
@@ -509,7 +513,8 @@ class Muon(RaggedOptimizer):
                     item = MuonItem(p, self._local_muon_update(local(p), local(grad), group, key=p), group)
                     if self.ns_batched_matmul or self.has_cut_blocks(p):
                         items.append(item)
-                    else:  # its matrices are all here: done now, so one update is alive at a time (torch's peak)
+                    elif not self._finish_whole_param(item):
+                        # its matrices are all on their holders: done now, so one update is alive at a time
                         self._finish_muon_items([item])
                 else:
                     for lst, x in zip(adamw, (p, grad, self.state[p])):
@@ -518,6 +523,36 @@ class Muon(RaggedOptimizer):
         if items:
             self._finish_muon_items(items)
         return loss
+
+    def _finish_whole_param(self, item: MuonItem) -> bool:
+        """Phases (b) and (c) for a param this rank holds whole (a plain tensor, or a sharded param held whole
+        here) or not at all (nothing to do): Newton-Schulz straight on the update's matrix view and ``p -= lr * o``
+        from its ``ns_dtype`` result, as torch.optim.Muon does (the same bits as through :meth:`map_blocks`,
+        without its bookkeeping or the copy back into the update: on a GPU this step is launch-bound). False when
+        this rank holds part of the param (its blocks go through :meth:`map_blocks`)."""
+        if any(getattr(type(self), m) is not getattr(Muon, m) for m in _PHASE_BC_METHODS):
+            return False  # a subclass that replaced phase (b) or (c) sees every param go through them
+        p_local, shape = local(item.param), full_shape(item.param)
+        if p_local.numel() == 0:
+            return True
+        if p_local.numel() != math.prod(shape) or not (p_local.is_contiguous() and item.update.is_contiguous()):
+            return False
+        g = item.group
+        want = tuple(shape) if len(shape) <= 3 else (shape[0], p_local.numel() // shape[0])
+        matrix = item.update if tuple(item.update.shape) == want else item.update.view(want)
+        ortho = newton_schulz(
+            matrix,
+            steps=g["ns_steps"],
+            coefficients=tuple(g["ns_coefficients"]),
+            eps=g["eps"],
+            dtype=g["ns_dtype"],
+            matmul=self.ns_matmul,
+            out_dtype=g["ns_dtype"],
+        )
+        lr = adjust_lr(scalar(g["lr"]), g["adjust_lr"], self._matrix_shape(item.param))
+        # (an op on an nn.Parameter costs the host a __torch_function__ round: no view unless the shape differs)
+        (p_local if p_local.shape == ortho.shape else p_local.view(ortho.shape)).add_(ortho, alpha=-lr)
+        return True
 
     def _finish_muon_items(self, items: list[MuonItem]) -> None:
         """Phases (b) and (c) for ``items``: the params whose matrices a rank boundary cuts go through here together
