@@ -365,6 +365,14 @@ def run(
         torch_s = table["torch.optim.Muon+AdamW"]["step_s_median"]
         if ok("ro.Muon native NS"):
             out["muon_step_time_ratio_vs_torch"] = table["ro.Muon native NS"]["step_s_median"] / torch_s
+            # The same steps paired (both rows ran step s of seed k back to back): machine-load drift cancels.
+            out["muon_step_time_ratio_vs_torch_paired_median"] = statistics.median(
+                a / b
+                for k in seeds
+                for a, b in zip(
+                    per_seed[k]["ro.Muon native NS"]["step_s"], per_seed[k]["torch.optim.Muon+AdamW"]["step_s"]
+                )
+            )
         if ok("ro.Muon"):
             out["muon_default_step_time_ratio_vs_torch"] = table["ro.Muon"]["step_s_median"] / torch_s
     return out
