@@ -35,6 +35,11 @@ command -v python3 >/dev/null 2>&1 || fail "python3 not found" 2
 venv="${RO_GPU_VENV:-/tmp/ragged-optim-gpu-venv}"
 if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv --system-site-packages "$venv" || fail "could not create a venv at $venv" 2
+  # --system-site-packages sees the base interpreter's packages only; when python3 is itself a venv (GPU images
+  # often ship torch that way), a .pth line puts that venv's packages (its CUDA torch) on the path as well.
+  outer="$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  inner="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  [ -z "$outer" ] || [ "$outer" = "$inner" ] || echo "$outer" >"$inner/_ragged_optim_outer_site.pth"
 fi
 py="$venv/bin/python"
 pipq() { # quiet pip install, never past the budget's share for installs
