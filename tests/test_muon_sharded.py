@@ -130,13 +130,33 @@ def _two_whole_matrices(rank, world_size):
     set_nonfinite_policy(opt, "off")  # the per-step NaN/Inf agreement is one 1-element all_reduce
     with count_collectives() as stats:
         opt.step()
-    return stats.total_calls, [len(p) for p in model.parameters()]
+    return stats.total_calls, [len(p) for p in model.parameters()], [opt.has_cut_blocks(p) for p in opt_params(opt)]
+
+
+def opt_params(opt):
+    return [p for g in opt.param_groups for p in g["params"]]
 
 
 def test_matrices_whole_on_their_ranks_move_nothing():
     # Two 8x8 matrices over 2 ranks: each rank holds one whole and owns it, so the step communicates nothing.
-    calls, local_sizes = run_on_ranks(_two_whole_matrices, 2)[0]
-    assert sorted(local_sizes) == [0, 64] and calls == 0
+    for calls, local_sizes, cut in run_on_ranks(_two_whole_matrices, 2):
+        assert sorted(local_sizes) == [0, 64] and calls == 0 and cut == [False, False]
+
+
+def _fsdp2_row_chunks(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    model = nn.Sequential(nn.Linear(8, 8, bias=False), nn.Linear(8, 8, bias=False))
+    torch_fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
+    opt = Muon(model.parameters())
+    return [opt.has_cut_blocks(p) for p in opt_params(opt)]
+
+
+def test_has_cut_blocks_same_answer_on_every_rank():
+    # FSDP2 gives each of 2 ranks 4 rows of every 8x8 matrix: every matrix is cut, and every rank says so (Muon then
+    # exchanges them together); the whole-matrix case above says False on both ranks.
+    assert run_on_ranks(_fsdp2_row_chunks, 2) == [[True, True], [True, True]]
 
 
 def _wire_model():
