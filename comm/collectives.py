@@ -9,8 +9,31 @@ import torch
 import torch.distributed as dist
 
 
+class _Completed:
+    """The work handle of a collective that ran as a local copy (nothing to wait for)."""
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def _alone(group) -> bool:
+    """A group of one rank: every collective is a local copy (FSDP2 skips them too), with no backend call."""
+    return dist.is_initialized() and dist.get_world_size(group) == 1
+
+
+def _copied(dst: torch.Tensor, src: torch.Tensor, async_op: bool):
+    if dst.data_ptr() != src.data_ptr():
+        dst.copy_(src.reshape(dst.shape))
+    return _Completed() if async_op else None
+
+
 def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group=None, async_op: bool = False):
     """Gather each rank's ``shard`` (S elements) into ``output`` (W*S elements, rank order), in place."""
+    if _alone(group):
+        return _copied(output, shard, async_op)
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return fn(output, shard, group=group, async_op=async_op)
 
@@ -19,12 +42,16 @@ def reduce_scatter_flat(
     shard_out: torch.Tensor, full: torch.Tensor, group=None, async_op: bool = False, op=dist.ReduceOp.SUM
 ):
     """Reduce ``full`` (W*S elements) across ranks (a sum by default) into this rank's S-element ``shard_out``."""
+    if _alone(group):  # sum, average, min or max of one contribution: itself
+        return _copied(shard_out, full, async_op)
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return fn(shard_out, full, op=op, group=group, async_op=async_op)
 
 
 def all_to_all_flat(output: torch.Tensor, input: torch.Tensor, out_splits, in_splits, group=None):
     """One all_to_all_single with per-rank split sizes (elements); empty splits are allowed."""
+    if _alone(group):
+        return _copied(output, input, False)
     return dist.all_to_all_single(
         output, input, output_split_sizes=list(out_splits), input_split_sizes=list(in_splits), group=group
     )
