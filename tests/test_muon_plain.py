@@ -527,3 +527,24 @@ def test_step_dispatches_torch_muons_ops():
         assert _dispatched_ops(unchecked, qs) == theirs
         extra.append(sum(_dispatched_ops(checked, ps).values()) - sum(theirs.values()))
     assert extra[0] == extra[1], extra  # 13 on torch 2.13: a fixed cost, not one per param
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{"ns_matmul": "upcast"}, {"ns_matmul": "native"}, {"ns_dtype": torch.float32}, {"nesterov": False}],
+    ids=["upcast", "native", "fp32", "no-nesterov"],
+)
+def test_whole_param_path_equals_block_api_path(kw):
+    """A param held whole skips map_blocks (Newton-Schulz on the update, ``p.add_`` from its ns_dtype result); a
+    subclass that overrides phase (c) keeps every param on the block-API path. Both give the same bits, for 2-D,
+    3-D stacks and 4-D params."""
+
+    class BlockPath(Muon):
+        def _apply_muon_update(self, item, ortho):
+            return super()._apply_muon_update(item, ortho)
+
+    shapes = [(24, 8), (8, 24), (16, 16), (3, 12, 5), (6, 2, 2, 3)]
+    ps = make_params(shapes)
+    qs = clone_params(ps)
+    run_steps([Muon(ps, weight_decay=0.1, **kw), BlockPath(qs, weight_decay=0.1, **kw)], [ps, qs], steps=3)
+    assert all(torch.equal(p, q) for p, q in zip(ps, qs))
