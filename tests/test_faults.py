@@ -199,6 +199,27 @@ def test_nonfinite_plain_tensors_no_collective():
         set_nonfinite_policy(opt, "ignore")
 
 
+@pytest.mark.parametrize(
+    "dtype, big", [(torch.float32, 1e20), (torch.bfloat16, 1e20), (torch.float16, 6e4)], ids=["fp32", "bf16", "fp16"]
+)
+def test_huge_finite_grads_are_not_skipped(dtype, big):
+    """The screen is the grads' 2-norm, whose squares overflow for finite grads above ~1.8e19 (fp16: its largest
+    magnitude, whose squares would overflow at 256); the exact pass that names bad params clears such a flag: the
+    step runs, with no warning. An Inf next to them is still caught."""
+    p = nn.Parameter(torch.ones(8, 8, dtype=dtype))
+    opt = AdamW8bit([p], lr=0.1, min_8bit_size=1 << 20)  # fp32 state; lr big enough to move a bf16 1.0
+    p.grad = torch.full((8, 8), big, dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step()
+    assert not torch.equal(p, torch.ones(8, 8, dtype=dtype)) and opt.__dict__.get("found_nonfinite", 0) == 0
+    before = p.detach().clone()
+    p.grad[0, 0] = float("inf")
+    with pytest.warns(RuntimeWarning, match="skipped"):
+        opt.step()
+    assert torch.equal(p, before)
+
+
 # ----------------------------------------------------------------------------------------------- bad input
 
 

@@ -7,13 +7,16 @@
             return loss  # the step is skipped on every rank
         ...
 
-Every step: non-finite gradients, decided on the device with one host sync. Each rank takes the largest
-magnitude of every local gradient with one ``torch._foreach_norm(grads, inf)`` per device and dtype (a
-multi-tensor kernel on a GPU: no kernel per param) and reduces those to one flag, ``any(!isfinite(max |g|))``, on
-the device; one ``all_reduce(MAX)`` of that flag (over the params' process group; the world when params span
-several groups, as with HSDP) makes every rank see the same, and reading it (``.item()``) is the step's only host
-sync. Only when it is set, the params are flagged one by one (one more ``all_reduce``) to name them. The policy is
-``opt.nonfinite`` (set it with :func:`set_nonfinite_policy`):
+Every step: non-finite gradients, decided on the device with one host sync. Each rank takes the 2-norm of every
+local gradient with one ``torch._foreach_norm(grads)`` per device and dtype (a multi-tensor kernel on a GPU: no
+kernel per param) and reduces those to one flag, ``any(!isfinite(norm))``, on the device; one ``all_reduce(MAX)``
+of that flag (over the params' process group; the world when params span several groups, as with HSDP) makes every
+rank see the same, and reading it (``.item()``) is the step's only host sync. A NaN or Inf always makes its norm
+non-finite; a finite gradient can too, if its squares overflow (|g| above ~1.8e19 in fp32 and bf16; fp16 grads are
+screened by their largest magnitude instead, a norm that cannot overflow). So only when the flag is set, the params
+are checked exactly, one by one (``isfinite``, one more ``all_reduce``), which names them, or clears a flag raised
+by overflow. The 2-norm is the screen because a CPU computes it about 12x faster than the largest magnitude (small
+GPT, 1.24M grads: 0.41 ms vs 5.0 ms). The policy is ``opt.nonfinite`` (set it with :func:`set_nonfinite_policy`):
 
 - ``"skip"`` (default): the step is skipped on every rank: no param and no optimizer state changes (so nothing
   non-finite is ever written into them); ``opt.found_nonfinite`` counts skipped steps and a ``RuntimeWarning``
@@ -213,9 +216,9 @@ def nonfinite_params(opt, entries=None, group=None) -> list[int]:
 
 
 def any_nonfinite(opt, entries=None, group=None) -> bool:
-    """Whether some param's gradient holds a NaN/Inf on some rank: one foreach max-magnitude reduction per (device,
-    dtype), the flags combined on the device, one ``all_reduce(MAX)`` when ``group`` is not None, and one host sync
-    (the answer's ``.item()``)."""
+    """False when every param's gradient is finite on every rank; True when some gradient holds a NaN/Inf, or (rarely)
+    when its squares overflow (confirm with :func:`nonfinite_params`). One foreach norm per (device, dtype), the flags
+    combined on the device, one ``all_reduce(MAX)`` when ``group`` is not None, and one host sync (``.item()``)."""
     entries = _params(opt) if entries is None else entries
     buckets: dict[tuple, list[Tensor]] = {}
     for _, _, p in entries:
@@ -227,8 +230,9 @@ def any_nonfinite(opt, entries=None, group=None) -> bool:
     device = _device(entries)
     bad = torch.zeros(1, dtype=torch.float32, device=device)
     for grads in buckets.values():
-        # max |g| is finite exactly when every element is (a NaN propagates through the max)
-        peaks = torch.stack(torch._foreach_norm(grads, float("inf")))
+        # A NaN or Inf makes the norm non-finite. fp16 squares overflow at 256: its largest magnitude instead.
+        ord = float("inf") if grads[0].dtype == torch.float16 else 2.0
+        peaks = torch.stack(torch._foreach_norm(grads, ord))
         bad = torch.maximum(bad, (~torch.isfinite(peaks)).any().to(device=device, dtype=torch.float32).reshape(1))
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
