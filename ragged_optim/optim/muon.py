@@ -63,6 +63,15 @@ _ADAMW_PREFIXED = tuple(f"adamw_{k}" for k in ADAMW_GROUP_KEYS)  # the construct
 _PHASE_BC_METHODS = ("_orthogonalize_updates", "_orthogonalize_blocks", "_apply_muon_update")
 
 
+#: A group's Newton-Schulz settings, as :func:`newton_schulz` names them (:func:`_ns_settings` reads them).
+_NS_SETTINGS = ("steps", "coefficients", "eps", "dtype")
+
+
+def _ns_settings(group: dict) -> tuple:
+    """The values of :data:`_NS_SETTINGS` for a Muon group (hashable: matrices with equal ones may share a batch)."""
+    return group["ns_steps"], tuple(group["ns_coefficients"]), group["eps"], group["ns_dtype"]
+
+
 class MuonItem(NamedTuple):
     """One Muon param's update on its way from phase (a) to phase (b)/(c) of :meth:`Muon.step`."""
 
@@ -460,19 +469,12 @@ class Muon(RaggedOptimizer):
         for i, b in enumerate(blocks):
             g = group_of[id(b.param)]
             x = b.value
-            ns = (g["ns_steps"], tuple(g["ns_coefficients"]), g["eps"], g["ns_dtype"])
+            ns = _ns_settings(g)
             key = (tuple(x.shape), x.device, x.dtype, *ns) if self.ns_batched_matmul else (i, *ns)
             buckets.setdefault(key, []).append(i)
         for key, idx in buckets.items():
-            steps, coefficients, eps, dtype = key[-4:]
-            kw = dict(
-                steps=steps,
-                coefficients=coefficients,
-                eps=eps,
-                dtype=dtype,
-                batched_matmul=self.ns_batched_matmul,
-                matmul=self.ns_matmul,
-            )
+            kw = dict(zip(_NS_SETTINGS, key[-len(_NS_SETTINGS) :]))
+            kw.update(batched_matmul=self.ns_batched_matmul, matmul=self.ns_matmul)
             if len(idx) == 1:
                 blocks[idx[0]].value.copy_(newton_schulz(blocks[idx[0]].value, **kw))
             else:
@@ -540,15 +542,8 @@ class Muon(RaggedOptimizer):
         g = item.group
         want = tuple(shape) if len(shape) <= 3 else (shape[0], p_local.numel() // shape[0])
         matrix = item.update if tuple(item.update.shape) == want else item.update.view(want)
-        ortho = newton_schulz(
-            matrix,
-            steps=g["ns_steps"],
-            coefficients=tuple(g["ns_coefficients"]),
-            eps=g["eps"],
-            dtype=g["ns_dtype"],
-            matmul=self.ns_matmul,
-            out_dtype=g["ns_dtype"],
-        )
+        kw = dict(zip(_NS_SETTINGS, _ns_settings(g)))
+        ortho = newton_schulz(matrix, **kw, matmul=self.ns_matmul, out_dtype=kw["dtype"])
         lr = adjust_lr(scalar(g["lr"]), g["adjust_lr"], self._matrix_shape(item.param))
         # (an op on an nn.Parameter costs the host a __torch_function__ round: no view unless the shape differs)
         (p_local if p_local.shape == ortho.shape else p_local.view(ortho.shape)).add_(ortho, alpha=-lr)
