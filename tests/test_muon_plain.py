@@ -491,15 +491,25 @@ def test_step_peak_memory_no_more_than_torch_muon():
 )
 def test_whole_param_path_equals_block_api_path(kw):
     """A param held whole skips map_blocks (Newton-Schulz on the update, ``p.add_`` from its ns_dtype result); a
-    subclass that overrides phase (c) keeps every param on the block-API path. Both give the same bits, for 2-D,
-    3-D stacks and 4-D params."""
+    subclass that overrides phase (c) keeps every param on the block-API path; one that overrides phase (a) has it
+    called per param instead of step()'s foreach momentum. All give the same bits, for 2-D, 3-D stacks and 4-D
+    params."""
 
     class BlockPath(Muon):
         def _apply_muon_update(self, item, ortho):
             return super()._apply_muon_update(item, ortho)
 
+    class PerParamMomentum(Muon):  # phase (a) one param at a time, not step()'s foreach ops
+        calls = 0
+
+        def _local_muon_update(self, p, grad, group, key=None):
+            PerParamMomentum.calls += 1
+            return super()._local_muon_update(p, grad, group, key=key)
+
     shapes = [(24, 8), (8, 24), (16, 16), (3, 12, 5), (6, 2, 2, 3)]
     ps = make_params(shapes)
-    qs = clone_params(ps)
-    run_steps([Muon(ps, weight_decay=0.1, **kw), BlockPath(qs, weight_decay=0.1, **kw)], [ps, qs], steps=3)
-    assert all(torch.equal(p, q) for p, q in zip(ps, qs))
+    qs, rs = clone_params(ps), clone_params(ps)
+    opts = [Muon(ps, weight_decay=0.1, **kw), BlockPath(qs, weight_decay=0.1, **kw)]
+    run_steps([*opts, PerParamMomentum(rs, weight_decay=0.1, **kw)], [ps, qs, rs], steps=3)
+    assert PerParamMomentum.calls == 3 * len(shapes)
+    assert all(torch.equal(p, q) and torch.equal(p, r) for p, q, r in zip(ps, qs, rs))

@@ -5,6 +5,7 @@ A Muon step has three phases, kept apart so that a sharded subclass can replace 
 (a) **local, elementwise** (:meth:`Muon._local_muon_update`): decoupled weight decay ``p *= 1 - lr * wd``, momentum
     ``buf.lerp_(grad, 1 - momentum)`` and the Nesterov blend ``u = grad.lerp(buf, momentum)`` (``u = buf``
     without Nesterov). Works on whatever tensor ``p`` is: a whole param or one rank's shard of it.
+    :meth:`Muon.step` runs the in-place parts for all of a group's params as one foreach op each.
 (b) **matrix** (:meth:`Muon._orthogonalize_updates`): Newton-Schulz on each update viewed as its matrix (2-D as is,
     a 3-D stack ``[E, R, C]`` as E matrices, 4-D+ conv weights flattened to ``[out, rest]``), batched by shape.
 (c) **local, elementwise** (:meth:`Muon._apply_muon_update`): ``p.add_(o, alpha=-adjusted_lr)`` where the adjusted
@@ -505,35 +506,61 @@ class Muon(RaggedOptimizer):
         if skip:
             return loss
         items: list[MuonItem] = []
+        cls = type(self)
+        # a subclass that replaced a phase sees every param go through it
+        whole_ok = all(getattr(cls, m) is getattr(Muon, m) for m in _PHASE_BC_METHODS)
+        foreach_a = cls._local_muon_update is Muon._local_muon_update
         for gi, group in enumerate(self.param_groups):
-            adamw: tuple[list, list, list] = ([], [], [])
+            params, grads = [], []
             for i, p in enumerate(group["params"]):
                 grad = self._grad_of(gi, i, p)
-                if grad is None:
-                    continue
-                if group["use_muon"]:
-                    item = MuonItem(p, self._local_muon_update(local(p), local(grad), group, key=p), group)
-                    if self.ns_batched_matmul or self.has_cut_blocks(p):
-                        items.append(item)
-                    elif not self._finish_whole_param(item):
-                        # its matrices are all on their holders: done now, so one update is alive at a time
-                        self._finish_muon_items([item])
-                else:
-                    for lst, x in zip(adamw, (p, grad, self.state[p])):
-                        lst.append(x)
-            adamw_group_update_(*adamw, group)
+                if grad is not None:
+                    params.append(p)
+                    grads.append(local(grad))
+            if not group["use_muon"]:
+                adamw_group_update_(params, grads, [self.state[p] for p in params], group)
+                continue
+            if foreach_a:
+                updates = self._local_muon_updates(params, grads, group)
+            else:
+                updates = (self._local_muon_update(local(p), g, group, key=p) for p, g in zip(params, grads))
+            ns_kw = dict(zip(_NS_SETTINGS, _ns_settings(group)))
+            for p, update in zip(params, updates):
+                item = MuonItem(p, update, group)
+                if self.ns_batched_matmul or self.has_cut_blocks(p):
+                    items.append(item)
+                elif not (whole_ok and self._finish_whole_param(item, ns_kw)):
+                    # its matrices are all on their holders: done now, so one update is alive at a time
+                    self._finish_muon_items([item])
         if items:
             self._finish_muon_items(items)
         return loss
 
-    def _finish_whole_param(self, item: MuonItem) -> bool:
+    def _local_muon_updates(self, params: list[Tensor], grads: list[Tensor], group: dict[str, Any]):
+        """Phase (a) of :meth:`_local_muon_update` for all of a group's params: the in-place parts (momentum, weight
+        decay) as one foreach op each (on a GPU a small model's step is bound by the host's cost per op), then,
+        lazily, one Nesterov update per param (so that one is alive at a time). The same bits as per param."""
+        bufs = []
+        for p, grad in zip(params, grads):
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
+            bufs.append(state["momentum_buffer"])
+        momentum = group["momentum"]
+        torch._foreach_lerp_(bufs, grads, 1 - momentum)
+        wd = group["weight_decay"]
+        if wd != 0:
+            torch._foreach_mul_([local(p) for p in params], 1 - scalar(group["lr"]) * wd)
+        for grad, buf in zip(grads, bufs):
+            yield grad.lerp(buf, momentum) if group["nesterov"] else buf
+
+    def _finish_whole_param(self, item: MuonItem, ns_kw: dict[str, Any]) -> bool:
         """Phases (b) and (c) for a param this rank holds whole (a plain tensor, or a sharded param held whole
         here) or not at all (nothing to do): Newton-Schulz straight on the update's matrix view and ``p -= lr * o``
         from its ``ns_dtype`` result, as torch.optim.Muon does (the same bits as through :meth:`map_blocks`,
         without its bookkeeping or the copy back into the update: on a GPU this step is launch-bound). False when
-        this rank holds part of the param (its blocks go through :meth:`map_blocks`)."""
-        if any(getattr(type(self), m) is not getattr(Muon, m) for m in _PHASE_BC_METHODS):
-            return False  # a subclass that replaced phase (b) or (c) sees every param go through them
+        this rank holds part of the param (its blocks go through :meth:`map_blocks`). ``ns_kw``: the group's
+        Newton-Schulz settings by :func:`newton_schulz`'s names."""
         p_local, shape = local(item.param), full_shape(item.param)
         if p_local.numel() == 0:
             return True
@@ -542,8 +569,7 @@ class Muon(RaggedOptimizer):
         g = item.group
         want = tuple(shape) if len(shape) <= 3 else (shape[0], p_local.numel() // shape[0])
         matrix = item.update if tuple(item.update.shape) == want else item.update.view(want)
-        kw = dict(zip(_NS_SETTINGS, _ns_settings(g)))
-        ortho = newton_schulz(matrix, **kw, matmul=self.ns_matmul, out_dtype=kw["dtype"])
+        ortho = newton_schulz(matrix, **ns_kw, matmul=self.ns_matmul, out_dtype=ns_kw["dtype"])
         lr = adjust_lr(scalar(g["lr"]), g["adjust_lr"], self._matrix_shape(item.param))
         # (an op on an nn.Parameter costs the host a __torch_function__ round: no view unless the shape differs)
         (p_local if p_local.shape == ortho.shape else p_local.view(ortho.shape)).add_(ortho, alpha=-lr)

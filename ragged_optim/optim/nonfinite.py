@@ -228,15 +228,18 @@ def any_nonfinite(opt, entries=None, group=None) -> bool:
         if g is not None and g.numel():
             buckets.setdefault((g.device, g.dtype), []).append(g)
     device = _device(entries)
-    bad = torch.zeros(1, dtype=torch.float32, device=device)
-    for grads in buckets.values():
-        # A NaN or Inf makes the norm non-finite. fp16 squares overflow at 256: its largest magnitude instead.
-        ord = float("inf") if grads[0].dtype == torch.float16 else 2.0
-        peaks = torch.stack(torch._foreach_norm(grads, ord))
-        bad = torch.maximum(bad, (~torch.isfinite(peaks)).any().to(device=device, dtype=torch.float32).reshape(1))
+    # A NaN or Inf makes a norm non-finite. fp16 squares overflow at 256: its largest magnitude instead.
+    norms = [torch.stack(torch._foreach_norm(gs, float("inf") if gs[0].dtype == torch.float16 else 2.0))
+             for gs in buckets.values()]  # fmt: skip
+    if not norms:  # no local grads (a rank may still have to join the all_reduce)
+        finite = torch.ones((), dtype=torch.bool, device=device)
+    else:
+        finite = torch.isfinite(norms[0] if len(norms) == 1 else torch.cat([n.to(device) for n in norms])).all()
     if group is not None and dist.get_world_size(group) > 1:
+        bad = (~finite).to(torch.float32).reshape(1)
         dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
-    return bool(bad.item())
+        return bool(bad.item())
+    return not finite.item()
 
 
 def guard_step(opt: torch.optim.Optimizer) -> bool:
