@@ -219,3 +219,17 @@ def test_device_cuda_is_refused_clearly_where_it_cannot_run():
         run_on_ranks(print, 2, device="cuda")
     with pytest.raises(ValueError, match=r"device must be 'cpu' \(gloo\) or 'cuda' \(NCCL\), got 'tpu'"):
         run_on_ranks(print, 1, device="tpu")
+
+
+def test_muon_host_step_script_runs_as_documented():
+    """`python benchmarks/muon_host_step.py` (docs/benchmarks.md) prints one JSON line with both medians and the
+    paired ratio (a few steps here: the figure itself is not checked, the timing is the machine's)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "muon_host_step.py"
+    out = subprocess.run([sys.executable, str(script), "--steps", "4"], capture_output=True, text=True, check=True)
+    obj = json.loads(out.stdout)
+    assert obj["steps"] == 4 and obj["d_model"] == 16
+    assert obj["ours_ms_median"] > 0 and obj["torch_ms_median"] > 0 and obj["paired_ratio_ours_over_torch"] > 0
