@@ -267,12 +267,13 @@ def test_only_1d_params_warn_and_take_adamw():
 
 
 def test_no_grad_params_skipped():
-    w, v, b = make_params([(8, 4), (4, 4), (3,)])
-    v0 = v.detach().clone()
-    opt = Muon([w, v, b])
+    w, v, b, u = make_params([(8, 4), (4, 4), (3,), (4, 4)])
+    v0, u0 = v.detach().clone(), u.detach().clone()
+    opt = Muon([{"params": [w, v, b]}, {"params": [u]}])  # the second group: no grad at all
     w.grad = torch.randn_like(w)
     opt.step()
     assert torch.equal(v, v0) and v not in opt.state and b not in opt.state and w in opt.state
+    assert torch.equal(u, u0) and u not in opt.state
 
 
 def test_state_dict_roundtrip_and_scheduler():

@@ -517,6 +517,8 @@ class Muon(RaggedOptimizer):
                 if grad is not None:
                     params.append(p)
                     grads.append(local(grad))
+            if not params:  # (foreach ops refuse empty lists)
+                continue
             if not group["use_muon"]:
                 adamw_group_update_(params, grads, [self.state[p] for p in params], group)
                 continue
