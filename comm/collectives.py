@@ -57,6 +57,13 @@ def all_to_all_flat(output: torch.Tensor, input: torch.Tensor, out_splits, in_sp
     )
 
 
+def all_reduce_flat(tensor: torch.Tensor, group=None, async_op: bool = False, op=dist.ReduceOp.SUM):
+    """Reduce ``tensor`` across ranks in place (a sum by default)."""
+    if _alone(group):  # one contribution: already the result
+        return _Completed() if async_op else None
+    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
 def grad_divide_plan(group, dtype: torch.dtype, divisor: int) -> tuple[float, float, object]:
     """How to average a gradient over ``divisor`` contributions: ``(pre, post, op)``, meaning divide by ``pre``
     before the reduction with ``op`` and by ``post`` after it.

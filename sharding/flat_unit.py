@@ -15,7 +15,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ragged_optim.comm.collectives import all_gather_flat, all_to_all_flat, grad_divide_plan, reduce_scatter_flat
+from ragged_optim.comm.collectives import (
+    all_gather_flat,
+    all_reduce_flat,
+    all_to_all_flat,
+    grad_divide_plan,
+    reduce_scatter_flat,
+)
 from ragged_optim.comm.quantized import quantized_all_gather, quantized_reduce_scatter
 from ragged_optim.sharding.comm_policy import CommPolicy
 from ragged_optim.sharding.layout import BlockSpec, Layout
@@ -462,7 +468,7 @@ class FlatUnit:
         reduce dtype). Without streams it runs when the reduce-scatter is waited for (``finish_reduce_grads``)."""
         if not self.streams.enabled or self.replicate_group is None:
             return None
-        return dist.all_reduce(out, op=op, group=self.replicate_group, async_op=True)
+        return all_reduce_flat(out, group=self.replicate_group, async_op=True, op=op)
 
     def _fold_into_unsynced(self):
         """Add this backward's grads (param dtype) into the reduce-dtype accumulator and free the grad buffer."""
@@ -505,7 +511,7 @@ class FlatUnit:
         self.pending_reduce = None
         self.reduce_input = None
         if self.replicate_group is not None and not self.streams.enabled:  # HSDP: across replicas, reduce dtype
-            dist.all_reduce(out, op=op, group=self.replicate_group)
+            all_reduce_flat(out, group=self.replicate_group, op=op)
         out = out.to(self.dtype)
         if post != 1.0:
             out.div_(post)

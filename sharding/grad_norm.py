@@ -7,6 +7,7 @@ import numbers
 import torch
 import torch.distributed as dist
 
+from ragged_optim.comm.collectives import all_reduce_flat
 from ragged_optim.sharding.sharded_param import shard_info
 
 
@@ -45,7 +46,7 @@ def total_grad_norm(params, norm_type: float = 2.0) -> torch.Tensor:
             if p.grad is not None and _local(p.grad).numel():
                 g = _local(p.grad).detach().double()
                 part = torch.maximum(part, g.abs().max()) if is_inf else part + g.pow(2).sum()
-        dist.all_reduce(part, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=group)
+        all_reduce_flat(part, group=group, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM)
         total = torch.maximum(total, part) if is_inf else total + part
     for p in replicated:
         if p.grad is not None and p.grad.numel():
