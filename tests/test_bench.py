@@ -233,3 +233,21 @@ def test_muon_host_step_script_runs_as_documented():
     obj = json.loads(out.stdout)
     assert obj["steps"] == 4 and obj["d_model"] == 16
     assert obj["ours_ms_median"] > 0 and obj["torch_ms_median"] > 0 and obj["paired_ratio_ours_over_torch"] > 0
+
+
+def test_adamw8bit_fidelity_script_runs_as_documented():
+    """`python benchmarks/adamw8bit_fidelity.py` (docs/benchmarks.md) prints one JSON line per seed: ours is a row
+    with its update error against fp32 AdamW (a few steps here), a peer that is missing is a row with its reason."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "adamw8bit_fidelity.py"
+    out = subprocess.run([sys.executable, str(script), "--steps", "2"], capture_output=True, text=True, check=True)
+    (line,) = out.stdout.strip().splitlines()
+    obj = json.loads(line)
+    ours = obj["ro.AdamW8bit"]
+    assert obj["steps"] == 2 and ours["status"] == "ok"
+    assert 0 < ours["update_rel_err_mean"] <= ours["update_rel_err_max"] < 1
+    for peer in ("bitsandbytes AdamW8bit", "torchao AdamW8bit"):
+        assert obj[peer]["status"] == "ok" or "Error" in obj[peer]["status"]
