@@ -111,3 +111,17 @@ def test_muon_step_dispatches_torch_muons_ops():
         assert _last_step_ops(unchecked, qs) == theirs - per_param + foreach
         extra.append(sum(_last_step_ops(checked, ps).values()) - sum(_last_step_ops(unchecked, qs).values()))
     assert extra[0] == extra[1], extra  # 13 on torch 2.13: a fixed cost, not one per param
+
+
+def test_muon_tensor_lr_is_read_once_per_group():
+    """A tensor lr (as torch.optim allows; on a GPU each ``.item()`` of it is a host sync) is read once per group and
+    step, not once per matrix: the step's reads do not grow with the number of params."""
+    from ragged_optim.optim.nonfinite import set_nonfinite_policy
+
+    syncs = []
+    for n in (2, 6):
+        ps = [torch.randn(8, 8, requires_grad=True) for _ in range(n)]
+        opt = Muon(ps, lr=torch.tensor(0.02), weight_decay=0.01)
+        set_nonfinite_policy(opt, "off")
+        syncs.append(_last_step_ops(opt, ps)[SYNC])
+    assert syncs[0] == syncs[1], syncs

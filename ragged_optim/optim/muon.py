@@ -522,8 +522,9 @@ class Muon(RaggedOptimizer):
             if not group["use_muon"]:
                 adamw_group_update_(params, grads, [self.state[p] for p in params], group)
                 continue
+            lr = scalar(group["lr"])  # once per group: a tensor lr on a GPU costs a sync per read
             if foreach_a:
-                updates = self._local_muon_updates(params, grads, group)
+                updates = self._local_muon_updates(params, grads, group, lr)
             else:
                 updates = (self._local_muon_update(local(p), g, group, key=p) for p, g in zip(params, grads))
             ns_kw = dict(zip(_NS_SETTINGS, _ns_settings(group)))
@@ -531,14 +532,14 @@ class Muon(RaggedOptimizer):
                 item = MuonItem(p, update, group)
                 if self.ns_batched_matmul or self.has_cut_blocks(p):
                     items.append(item)
-                elif not (whole_ok and self._finish_whole_param(item, ns_kw)):
+                elif not (whole_ok and self._finish_whole_param(item, ns_kw, lr)):
                     # its matrices are all on their holders: done now, so one update is alive at a time
                     self._finish_muon_items([item])
         if items:
             self._finish_muon_items(items)
         return loss
 
-    def _local_muon_updates(self, params: list[Tensor], grads: list[Tensor], group: dict[str, Any]):
+    def _local_muon_updates(self, params: list[Tensor], grads: list[Tensor], group: dict[str, Any], lr: float):
         """Phase (a) of :meth:`_local_muon_update` for all of a group's params: the in-place parts (momentum, weight
         decay) as one foreach op each (on a GPU a small model's step is bound by the host's cost per op), then,
         lazily, one Nesterov update per param (so that one is alive at a time). The same bits as per param."""
@@ -552,17 +553,17 @@ class Muon(RaggedOptimizer):
         torch._foreach_lerp_(bufs, grads, 1 - momentum)
         wd = group["weight_decay"]
         if wd != 0:
-            torch._foreach_mul_([local(p) for p in params], 1 - scalar(group["lr"]) * wd)
+            torch._foreach_mul_([local(p) for p in params], 1 - lr * wd)
         for grad, buf in zip(grads, bufs):
             yield grad.lerp(buf, momentum) if group["nesterov"] else buf
 
-    def _finish_whole_param(self, item: MuonItem, ns_kw: dict[str, Any]) -> bool:
+    def _finish_whole_param(self, item: MuonItem, ns_kw: dict[str, Any], lr: float) -> bool:
         """Phases (b) and (c) for a param this rank holds whole (a plain tensor, or a sharded param held whole
         here) or not at all (nothing to do): Newton-Schulz straight on the update's matrix view and ``p -= lr * o``
         from its ``ns_dtype`` result, as torch.optim.Muon does (the same bits as through :meth:`map_blocks`,
         without its bookkeeping or the copy back into the update: on a GPU this step is launch-bound). False when
         this rank holds part of the param (its blocks go through :meth:`map_blocks`). ``ns_kw``: the group's
-        Newton-Schulz settings by :func:`newton_schulz`'s names."""
+        Newton-Schulz settings by :func:`newton_schulz`'s names; ``lr``: the group's lr as a number."""
         p_local, shape = local(item.param), full_shape(item.param)
         if p_local.numel() == 0:
             return True
@@ -572,7 +573,7 @@ class Muon(RaggedOptimizer):
         want = tuple(shape) if len(shape) <= 3 else (shape[0], p_local.numel() // shape[0])
         matrix = item.update if tuple(item.update.shape) == want else item.update.view(want)
         ortho = newton_schulz(matrix, **ns_kw, matmul=self.ns_matmul, out_dtype=ns_kw["dtype"])
-        lr = adjust_lr(scalar(g["lr"]), g["adjust_lr"], self._matrix_shape(item.param))
+        lr = adjust_lr(lr, g["adjust_lr"], self._matrix_shape(item.param))
         # (an op on an nn.Parameter costs the host a __torch_function__ round: no view unless the shape differs)
         (p_local if p_local.shape == ortho.shape else p_local.view(ortho.shape)).add_(ortho, alpha=-lr)
         return True
