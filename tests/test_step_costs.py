@@ -113,15 +113,39 @@ def test_muon_step_dispatches_torch_muons_ops():
     assert extra[0] == extra[1], extra  # 8 on torch 2.13 (13 before 2026-12-01): a fixed cost, not one per param
 
 
-def test_muon_tensor_lr_is_read_once_per_group():
-    """A tensor lr (as torch.optim allows; on a GPU each ``.item()`` of it is a host sync) is read once per group and
-    step, not once per matrix: the step's reads do not grow with the number of params."""
+class _CountedLR(torch.Tensor):
+    """A tensor lr that counts how often it is read as a number (``.item()``: a host sync for a GPU tensor)."""
+
+    reads = 0
+
+    def item(self):
+        type(self).reads += 1
+        return super().item()
+
+
+def test_tensor_lr_is_read_once_per_group_and_step():
+    """Muon, AdamW8bit (8-bit params), Shampoo and SOAP read a tensor lr once per group and step, whatever the number
+    of params (they read it once per matrix or param before: a host sync each for a GPU tensor)."""
+    from ragged_optim.optim import SOAP, Shampoo
     from ragged_optim.optim.nonfinite import set_nonfinite_policy
 
-    syncs = []
-    for n in (2, 6):
-        ps = [torch.randn(8, 8, requires_grad=True) for _ in range(n)]
-        opt = Muon(ps, lr=torch.tensor(0.02), weight_decay=0.01)
-        set_nonfinite_policy(opt, "off")
-        syncs.append(_last_step_ops(opt, ps)[SYNC])
-    assert syncs[0] == syncs[1], syncs
+    factories = {
+        "Muon": lambda ps, lr: Muon(ps, lr=lr, weight_decay=0.01),
+        "AdamW8bit": lambda ps, lr: AdamW8bit(ps, lr=lr, min_8bit_size=0),
+        "Shampoo": lambda ps, lr: Shampoo(ps, lr=lr),
+        "SOAP": lambda ps, lr: SOAP(ps, lr=lr),
+    }
+    for name, make in factories.items():
+        reads = []
+        for n in (2, 5):
+            ps = [torch.randn(16, 16, requires_grad=True) for _ in range(n)]
+            lr = torch.tensor(1e-3).as_subclass(_CountedLR)
+            opt = make(ps, lr)
+            set_nonfinite_policy(opt, "off")
+            for _ in range(3):  # SOAP's first step per param only sets up; the last step is counted
+                for p in ps:
+                    p.grad = torch.randn_like(p)
+                _CountedLR.reads = 0
+                opt.step()
+            reads.append(_CountedLR.reads)
+        assert reads[0] == reads[1] >= 1, (name, reads)

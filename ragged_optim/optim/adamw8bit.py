@@ -46,7 +46,7 @@ from ragged_optim.kernels import (
     quantize_blockwise,
 )
 from ragged_optim.kernels.adamw8bit_ref import ieee_sqrt_
-from ragged_optim.optim.base import full_shape, is_dtensor, local, process_group, scalar
+from ragged_optim.optim.base import full_shape, is_dtensor, local, process_group
 from ragged_optim.optim.blocks import local_range
 from ragged_optim.optim.muon import adamw_group_update_
 from ragged_optim.optim.optimizer import RaggedOptimizer, check_int, check_real, check_reals
@@ -427,7 +427,7 @@ class AdamW8bit(RaggedOptimizer):
         b1, b2 = group["betas"]
         kw = dict(
             step=int(state["step"].item()),
-            lr=scalar(group["lr"]),
+            lr=self._group_lr(group),
             eps=group["eps"],
             weight_decay=group["weight_decay"],
         )

@@ -434,7 +434,7 @@ class Muon(RaggedOptimizer):
         buf.lerp_(grad, 1 - momentum)
         wd = group["weight_decay"]
         if wd != 0:
-            p.mul_(1 - scalar(group["lr"]) * wd)
+            p.mul_(1 - self._group_lr(group) * wd)
         return grad.lerp(buf, momentum) if group["nesterov"] else buf
 
     def block_spec(self, p: Tensor, group: dict[str, Any]) -> BlockSpec | None:
@@ -494,7 +494,7 @@ class Muon(RaggedOptimizer):
     def _apply_muon_update(self, item: MuonItem, ortho: Tensor) -> None:
         """Phase (c): ``p -= adjusted_lr * ortho`` with the lr adjusted for the param's (full) matrix shape."""
         g = item.group
-        lr = adjust_lr(scalar(g["lr"]), g["adjust_lr"], self._matrix_shape(item.param))
+        lr = adjust_lr(self._group_lr(g), g["adjust_lr"], self._matrix_shape(item.param))
         local(item.param).add_(ortho.view(local(item.param).shape), alpha=-lr)
 
     # ------------------------------------------------------------------ step
@@ -522,7 +522,7 @@ class Muon(RaggedOptimizer):
             if not group["use_muon"]:
                 adamw_group_update_(params, grads, [self.state[p] for p in params], group)
                 continue
-            lr = scalar(group["lr"])  # once per group: a tensor lr on a GPU costs a sync per read
+            lr = self._group_lr(group)
             if foreach_a:
                 updates = self._local_muon_updates(params, grads, group, lr)
             else:

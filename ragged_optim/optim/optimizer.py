@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ragged_optim.optim.base import full_shape, is_dtensor, local
+from ragged_optim.optim.base import full_shape, is_dtensor, local, scalar
 from ragged_optim.optim.blocks import BlockOptimizer
 from ragged_optim.optim.nonfinite import guard_step
 from ragged_optim.sharding.state_dict import optimizer_state_from_dcp
@@ -77,7 +77,17 @@ class RaggedOptimizer(BlockOptimizer):
             with torch.enable_grad():
                 loss = closure()
         self._lock_block_layouts()
+        self.__dict__["_lr_this_step"] = {}
         return loss, guard_step(self)
+
+    def _group_lr(self, group: dict[str, Any]) -> float:
+        """``group["lr"]`` as a number, read once per group and step (a tensor lr on a GPU costs a host sync per
+        read; a scheduler's change between steps is seen at the next step)."""
+        cache = self.__dict__.setdefault("_lr_this_step", {})
+        key = id(group)
+        if key not in cache:
+            cache[key] = scalar(group["lr"])
+        return cache[key]
 
     def _param_label(self, gi: int, i: int) -> str:
         """How error messages name a param: its place in the groups, its name when given, its full shape."""

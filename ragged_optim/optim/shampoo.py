@@ -48,7 +48,7 @@ import torch
 from torch import Tensor
 
 from ragged_optim.kernels.matrix_root import RootInverseError, matrix_inverse_root
-from ragged_optim.optim.base import full_shape, local, scalar
+from ragged_optim.optim.base import full_shape, local
 from ragged_optim.optim.optimizer import BandPreconditionerChecks, RaggedOptimizer, check_int, check_real, check_reals
 from ragged_optim.sharding import BlockSpec
 
@@ -394,7 +394,7 @@ class Shampoo(BandPreconditionerChecks, RaggedOptimizer):
             m = state["momentum"]
             m.mul_(beta1).add_(u, alpha=1 - beta1)
             u = m / (1 - beta1 ** int(state["step"].item()))
-        lr = scalar(group["lr"])
+        lr = self._group_lr(group)
         if group["weight_decay"] != 0:
             lp.mul_(1 - lr * group["weight_decay"])
         lp.add_(u.to(lp.dtype), alpha=-lr)

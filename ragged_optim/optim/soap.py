@@ -57,7 +57,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ragged_optim.optim.base import full_shape, local, scalar
+from ragged_optim.optim.base import full_shape, local
 from ragged_optim.optim.blocks import all_reduce_over_shards
 from ragged_optim.optim.optimizer import (
     BandPreconditionerChecks,
@@ -200,9 +200,8 @@ def adam_direction(g: Tensor, state: dict, hp: dict) -> Tensor:
     return m / (v.sqrt() + hp["eps"])
 
 
-def step_size(hp: dict, t: int) -> float:
-    """``lr * sqrt(1 - b2^t) / (1 - b1^t)`` with ``correct_bias``, else ``lr``."""
-    lr = scalar(hp["lr"])
+def step_size(hp: dict, t: int, lr: float) -> float:
+    """``lr * sqrt(1 - b2^t) / (1 - b1^t)`` with ``correct_bias``, else ``lr`` (``hp["lr"]`` as a number)."""
     if not hp["correct_bias"]:
         return lr
     b1, b2 = hp["betas"]
@@ -426,6 +425,7 @@ class SOAP(BandPreconditionerChecks, RaggedOptimizer):
         if n is None or t == 0:
             return
         lp = local(p)
-        lp.add_(n.reshape(lp.shape).to(lp.dtype), alpha=-step_size(group, t))
+        lr = self._group_lr(group)
+        lp.add_(n.reshape(lp.shape).to(lp.dtype), alpha=-step_size(group, t, lr))
         if group["weight_decay"] > 0:
-            lp.mul_(1 - scalar(group["lr"]) * group["weight_decay"])
+            lp.mul_(1 - lr * group["weight_decay"])
