@@ -423,13 +423,17 @@ class Muon(RaggedOptimizer):
             return int(shape[0]), int(math.prod(shape[1:]))
         raise ValueError(f"a {len(shape)}-D tensor of shape {tuple(shape)} has no matrix shape")
 
+    def _momentum_buffer(self, key: Tensor, grad: Tensor) -> Tensor:
+        """The momentum buffer kept under ``key`` (created as zeros like ``grad`` at its first step)."""
+        state = self.state[key]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
+        return state["momentum_buffer"]
+
     def _local_muon_update(self, p: Tensor, grad: Tensor, group: dict[str, Any], key: Tensor | None = None) -> Tensor:
         """Phase (a): weight decay, momentum and Nesterov, elementwise on ``p`` (whole or a shard); state is kept
         under ``key`` (the param object the user gave, when ``p`` is its local shard)."""
-        state = self.state[p if key is None else key]
-        if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
-        buf = state["momentum_buffer"]
+        buf = self._momentum_buffer(p if key is None else key, grad)
         momentum = group["momentum"]
         buf.lerp_(grad, 1 - momentum)
         wd = group["weight_decay"]
@@ -543,12 +547,7 @@ class Muon(RaggedOptimizer):
         """Phase (a) of :meth:`_local_muon_update` for all of a group's params: the in-place parts (momentum, weight
         decay) as one foreach op each (on a GPU a small model's step is bound by the host's cost per op), then,
         lazily, one Nesterov update per param (so that one is alive at a time). The same bits as per param."""
-        bufs = []
-        for p, grad in zip(params, grads):
-            state = self.state[p]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
-            bufs.append(state["momentum_buffer"])
+        bufs = [self._momentum_buffer(p, grad) for p, grad in zip(params, grads)]
         momentum = group["momentum"]
         torch._foreach_lerp_(bufs, grads, 1 - momentum)
         wd = group["weight_decay"]
