@@ -27,6 +27,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
+from ragged_optim.comm.collectives import all_gather_flat
+
 __all__ = ["RaggedDTensor", "RaggedShard", "flat_range_boxes", "ragged_dtensor"]
 
 Box = tuple[tuple[int, ...], tuple[int, ...], int, int]  # (offsets, sizes, flat start, flat end)
@@ -155,7 +157,7 @@ class RaggedDTensor(DTensor):
         buf = torch.zeros(width, dtype=local.dtype, device=local.device)
         buf[: local.numel()] = local
         out = torch.empty(world * width, dtype=local.dtype, device=local.device)
-        dist.all_gather_into_tensor(out, buf, group=group)
+        all_gather_flat(out, buf, group=group)
         full = torch.empty(math.prod(self.shape), dtype=local.dtype, device=local.device)
         for r, (lo, hi) in enumerate(self._ragged_ranges):
             full[lo:hi] = out[r * width : r * width + hi - lo]
