@@ -182,16 +182,39 @@ def test_peers_cli_json_with_a_missing_peer(monkeypatch, capsys):
         return make(row, model)
 
     monkeypatch.setattr(peers, "_make", without_torchao)
-    monkeypatch.setattr(peers, "run", functools.partial(peers.run, seeds=(0,), families=("adamw8bit",)))
-    assert main(["bench", "peers", "--steps", "2", "--json"]) == 0
+    assert main(["bench", "peers", "--steps", "2", "--seeds", "2", "--families", "adamw8bit", "--json"]) == 0
     obj = json.loads(capsys.readouterr().out)
+    assert list(obj["families"]) == ["adamw8bit"] and obj["seeds"] == [0, 1]
     rows = obj["families"]["adamw8bit"]
     assert rows["torchao AdamW8bit"]["status"] == "ImportError: No module named 'torchao'"
     assert rows["ro.AdamW8bit"]["status"] == "ok" and rows["torch.optim.AdamW (fp32)"]["status"] == "ok"
     assert obj["steps"] == 2 and obj["adamw8bit_max_step_over_lr"] <= 2.0
     assert 0.9 < obj["adamw8bit_val_loss_ratio_vs_fp32"] < 1.1
+    # each loss ratio with its per-seed values and the standard error of their mean
+    fp32 = rows["torch.optim.AdamW (fp32)"]["val_loss_per_seed"]
+    for key, row in (("adamw8bit", "ro.AdamW8bit"), ("adamw8bit_bnb", "bitsandbytes AdamW8bit")):
+        if rows[row]["status"] != "ok":  # bitsandbytes is an optional peer
+            continue
+        ratios = [a / b for a, b in zip(rows[row]["val_loss_per_seed"], fp32)]
+        assert obj[f"{key}_val_loss_ratio_vs_fp32_per_seed"] == pytest.approx(ratios, rel=1e-12)
+        assert obj[f"{key}_val_loss_ratio_vs_fp32"] == pytest.approx((ratios[0] + ratios[1]) / 2, rel=1e-12)
+        assert obj[f"{key}_val_loss_ratio_vs_fp32_stderr"] == pytest.approx(abs(ratios[0] - ratios[1]) / 2, rel=1e-9)
     assert rows["ro.AdamW8bit"]["state_bytes_per_param"] < rows["torch.optim.AdamW (fp32)"]["state_bytes_per_param"]
     assert "| adamw8bit: torchao AdamW8bit | not run: ImportError" in peers.markdown_table(obj)
+
+
+def test_bench_seeds_and_families_misuse_is_named():
+    from ragged_optim.bench import peers
+    from ragged_optim.bench.cli import run_benchmark
+
+    with pytest.raises(ValueError, match=r"benchmark 'muon' takes no --families \(it is for: peers\)"):
+        run_benchmark("muon", families=["muon"])
+    with pytest.raises(ValueError, match=r"benchmark 'fsdp' takes no --seeds \(it is for: adamw8bit, comm, peers\)"):
+        run_benchmark("fsdp", seeds=2)
+    with pytest.raises(ValueError, match=r"unknown families \['adam'\]; choose from \['muon', 'adamw8bit'"):
+        peers.run(steps=1, families=["adam"])
+    with pytest.raises(ValueError, match="seeds must name at least one seed"):
+        peers.run(steps=1, seeds=0)
 
 
 def test_memory_bench_keys_and_what_it_counts():

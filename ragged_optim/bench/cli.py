@@ -1,4 +1,4 @@
-"""`ragged-optim bench NAME [--world-size W] [--steps N] [--json] [--out FILE]`.
+"""`ragged-optim bench NAME [--world-size W] [--steps N] [--seeds N] [--families F,..] [--json] [--out FILE]`.
 
 NAME is one of the benchmark modules present under ``ragged_optim.bench`` or ``all``. ``--json`` prints exactly
 one JSON object on stdout (the benchmark's dict; for ``all``, ``{name: dict}``); without it a readable table.
@@ -42,8 +42,12 @@ def available() -> list[str]:
     return out
 
 
-def run_benchmark(name: str, world_size: int | None = None, steps: int | None = None, **kw) -> dict:
-    """Import ``ragged_optim.bench.<name>`` and call its ``run``; None arguments keep the module's defaults."""
+def run_benchmark(
+    name: str, world_size: int | None = None, steps: int | None = None, *, lenient: bool = False, **kw
+) -> dict:
+    """Import ``ragged_optim.bench.<name>`` and call its ``run``; None arguments keep the module's defaults.
+    ``seeds``/``families`` that the benchmark does not take raise a ValueError, or are dropped when ``lenient``
+    (``bench all``)."""
     if name not in BENCHMARKS:
         raise ValueError(f"unknown benchmark {name!r}; choose one of {list(BENCHMARKS)}")
     try:
@@ -52,8 +56,16 @@ def run_benchmark(name: str, world_size: int | None = None, steps: int | None = 
         if e.name == _module_name(name):
             raise ValueError(f"benchmark {name!r} is not available here; available: {available()}") from None
         raise
-    if kw.get("device", "cpu") != "cpu" and "device" not in inspect.signature(module.run).parameters:
+    accepted = inspect.signature(module.run).parameters
+    if kw.get("device", "cpu") != "cpu" and "device" not in accepted:
         raise ValueError(f"benchmark {name!r} runs on CPU only (--device is for: memory, fsdp, peers)")
+    for option, users in (("seeds", "adamw8bit, comm, peers"), ("families", "peers")):
+        if kw.get(option) is not None and option not in accepted:
+            if lenient:
+                kw.pop(option)
+                continue
+            raise ValueError(f"benchmark {name!r} takes no --{option} (it is for: {users})")
+    kw = {k: v for k, v in kw.items() if v is not None}
     if world_size is not None:
         kw["world_size"] = world_size
     if steps is not None:
@@ -83,7 +95,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
             t0 = time.perf_counter()
             try:
                 extra = {"device": args.device} if args.device != "cpu" else {}
-                results[name] = run_benchmark(name, args.world_size, args.steps, **extra)
+                if args.seeds is not None:
+                    extra["seeds"] = args.seeds
+                if args.families is not None:
+                    extra["families"] = [f.strip() for f in args.families.split(",") if f.strip()]
+                results[name] = run_benchmark(name, args.world_size, args.steps, lenient=args.name == "all", **extra)
             except Exception as e:
                 if args.name != "all":
                     raise
@@ -123,6 +139,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("name", choices=[*BENCHMARKS, "all"], metavar="NAME", help=f"{listing}; or 'all'")
     p.add_argument("--world-size", type=int, default=None, help="number of gloo ranks (default: the benchmark's, 4)")
     p.add_argument("--steps", type=int, default=None, help="timed steps (default: the benchmark's)")
+    p.add_argument(
+        "--seeds", type=int, default=None, help="number of seeds, 0 .. N-1 (adamw8bit, comm, peers; default theirs)"
+    )
+    p.add_argument("--families", default=None, help="peers only: comma-separated muon,adamw8bit,shampoo,soap")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument(
         "--device",

@@ -29,6 +29,10 @@ Targets (issue 19): ``soap_val_loss_minus_peer`` within ``soap_peer_seed_spread`
 Targets (issue 18): ``adamw8bit_max_step_over_lr`` <= 2, ``adamw8bit_val_loss_ratio_vs_fp32`` <= 1.01 (mean over
 seeds of the per-seed ratio), ``muon_step_time_ratio_vs_torch`` <= 1 (ours with ``ns_matmul="native"`` and the
 default non-finite check on, over torch.optim.Muon + AdamW).
+
+Every loss ratio key comes with ``_per_seed`` (the ratios) and ``_stderr`` (the standard error of their mean, None
+for one seed): the seeds' spread is often larger than the gaps between rows, and the error says how far the mean
+can be trusted. ``adamw8bit_bnb_val_loss_ratio_vs_fp32`` is bitsandbytes' ratio by the same definition.
 """
 
 from __future__ import annotations
@@ -276,13 +280,20 @@ def run(
     device: str = "cpu",
 ) -> dict:
     """Train every row for ``steps`` steps (default 300) on each seed; one process (``world_size`` is ignored:
-    the CLI passes it to every benchmark). ``device="cuda"``: the same runs on one GPU (the init is still drawn
-    on the CPU; each timed step is bracketed by ``torch.cuda.synchronize``)."""
+    the CLI passes it to every benchmark). ``seeds``: the seeds, or their number N (seeds 0 .. N-1).
+    ``families``: names of :data:`FAMILIES` (default all). ``device="cuda"``: the same runs on one GPU (the init is
+    still drawn on the CPU; each timed step is bracketed by ``torch.cuda.synchronize``)."""
     from ragged_optim.data import load_corpus
 
     steps = DEFAULT_STEPS if steps is None else steps
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
+    seeds = tuple(range(seeds)) if isinstance(seeds, int) else tuple(seeds)
+    if not seeds:
+        raise ValueError("seeds must name at least one seed (or be a count >= 1)")
+    unknown = [f for f in families or () if f not in FAMILIES]
+    if unknown:
+        raise ValueError(f"unknown families {unknown}; choose from {list(FAMILIES)}")
     families = dict(FAMILIES) if families is None else {f: FAMILIES[f] for f in families}
     rows = [r for fam in families.values() for r in fam]
     rows = list(dict.fromkeys(rows))  # fp32 AdamW is in two families: trained once
@@ -336,27 +347,24 @@ def run(
     def ok(row):
         return table.get(row, {}).get("status") == "ok"
 
+    def put_ratio(key, row, reference="torch.optim.AdamW (fp32)"):
+        if ok(row) and ok(reference):
+            ratios = [a / b for a, b in zip(table[row]["val_loss_per_seed"], table[reference]["val_loss_per_seed"])]
+            out[key] = statistics.fmean(ratios)
+            out[f"{key}_per_seed"] = ratios
+            out[f"{key}_stderr"] = statistics.stdev(ratios) / math.sqrt(len(ratios)) if len(ratios) > 1 else None
+
     if ok("ro.AdamW8bit"):
         out["adamw8bit_max_step_over_lr"] = table["ro.AdamW8bit"]["max_step_over_lr"]
-        if ok("torch.optim.AdamW (fp32)"):
-            ratios = [
-                a / b
-                for a, b in zip(
-                    table["ro.AdamW8bit"]["val_loss_per_seed"], table["torch.optim.AdamW (fp32)"]["val_loss_per_seed"]
-                )
-            ]
-            out["adamw8bit_val_loss_ratio_vs_fp32"] = statistics.fmean(ratios)
+        put_ratio("adamw8bit_val_loss_ratio_vs_fp32", "ro.AdamW8bit")
+        put_ratio("adamw8bit_bnb_val_loss_ratio_vs_fp32", "bitsandbytes AdamW8bit")
         if ok("bitsandbytes AdamW8bit"):
             bnb = table["bitsandbytes AdamW8bit"]
             out["adamw8bit_val_loss_minus_bnb"] = table["ro.AdamW8bit"]["val_loss_mean"] - bnb["val_loss_mean"]
             out["adamw8bit_bnb_seed_spread"] = bnb["val_loss_spread"]
     if ok("ro.SOAP"):
         soap = table["ro.SOAP"]
-        if ok("torch.optim.AdamW (fp32)"):
-            adamw = table["torch.optim.AdamW (fp32)"]["val_loss_per_seed"]
-            out["soap_val_loss_ratio_vs_adamw"] = statistics.fmean(
-                a / b for a, b in zip(soap["val_loss_per_seed"], adamw)
-            )
+        put_ratio("soap_val_loss_ratio_vs_adamw", "ro.SOAP")
         if ok("pytorch_optimizer SOAP"):
             peer = table["pytorch_optimizer SOAP"]
             out["soap_val_loss_minus_peer"] = soap["val_loss_mean"] - peer["val_loss_mean"]
