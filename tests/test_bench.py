@@ -111,17 +111,41 @@ def test_cli_json_prints_one_object(monkeypatch, capsys):
     assert out.strip().count("\n") == 0
 
 
-def test_cli_all_writes_json_and_markdown(monkeypatch, capsys, tmp_path):
-    from ragged_optim.bench import fsdp, muon
+_PEERS_RESULT = {
+    "families": {
+        "adamw8bit": {
+            "ro.AdamW8bit": {
+                "status": "ok",
+                "val_loss_mean": 2.5,
+                "val_loss_spread": 0.1,
+                "step_time_ratio_ours_over_this": 1.0,
+                "state_bytes_per_param": 2.08,
+                "max_step_over_lr": 1.16,
+            }
+        }
+    },
+    "adamw8bit_max_step_over_lr": 1.16,
+}
+_PEERS_ROW = "| adamw8bit: ro.AdamW8bit | 2.5000 ± 0.1000 | 1.00 | 2.08 | 1.16 |"
 
-    monkeypatch.setattr(bench_cli, "available", lambda: ["fsdp", "muon"])
+
+def test_cli_all_writes_json_and_markdown(monkeypatch, capsys, tmp_path):
+    from ragged_optim.bench import fsdp, muon, peers
+
+    monkeypatch.setattr(bench_cli, "available", lambda: ["fsdp", "muon", "peers"])
     monkeypatch.setattr(fsdp, "run", lambda world_size=4, **kw: {"step_time_ratio": 0.5, "world_size": world_size})
     monkeypatch.setattr(muon, "run", lambda world_size=4, **kw: {"speedup": 9.0, "steps": kw.get("steps")})
-    rc = main(["bench", "all", "--world-size", "3", "--steps", "2", "--json", "--out", str(tmp_path)])
+    monkeypatch.setattr(peers, "run", lambda world_size=None, steps=None, seeds=3: {**_PEERS_RESULT, "seeds": seeds})
+    # --seeds goes to the benchmarks that take it (peers) and is dropped for the others
+    rc = main(["bench", "all", "--world-size", "3", "--steps", "2", "--seeds", "1", "--json", "--out", str(tmp_path)])
     assert rc == 0
     obj = json.loads(capsys.readouterr().out)
     machine = obj.pop("machine")
-    assert obj == {"fsdp": {"step_time_ratio": 0.5, "world_size": 3}, "muon": {"speedup": 9.0, "steps": 2}}
+    assert obj == {
+        "fsdp": {"step_time_ratio": 0.5, "world_size": 3},
+        "muon": {"speedup": 9.0, "steps": 2},
+        "peers": {**_PEERS_RESULT, "seeds": 1},
+    }
     assert json.loads((tmp_path / "latest.json").read_text()) == {"machine": machine, **obj}
     # what the figures were measured on: the CPU, its flags that matter, ATen's level, ns_matmul's choice
     assert {"cpu_model", "cpu_flags", "aten_cpu_capability", "ns_matmul_auto_bf16_cpu", "torch"} <= machine.keys()
@@ -129,6 +153,8 @@ def test_cli_all_writes_json_and_markdown(monkeypatch, capsys, tmp_path):
     md = (tmp_path / "latest.md").read_text()
     assert "CPUs" in md and "torch" in md and "## fsdp" in md and "| speedup | 9 |" in md
     assert str(machine["cpu_model"]) in md and "ns_matmul=auto -> " + machine["ns_matmul_auto_bf16_cpu"] in md
+    # peers' rows as their own table, not as one cell of nested dicts
+    assert _PEERS_ROW in md and "| families |" not in md and "| adamw8bit_max_step_over_lr | 1.16 |" in md
 
 
 def test_cpu_description_reads_the_flags_that_matter():
@@ -163,6 +189,12 @@ def test_cli_table_and_unknown(monkeypatch, capsys):
     assert main(["bench", "muon"]) == 0
     out = capsys.readouterr().out
     assert "speedup" in out and "7.25" in out
+    from ragged_optim.bench import peers
+
+    monkeypatch.setattr(peers, "run", lambda world_size=None, steps=None: dict(_PEERS_RESULT))
+    assert main(["bench", "peers"]) == 0
+    out = capsys.readouterr().out
+    assert _PEERS_ROW in out and "families" not in out and "1.16" in out
     with pytest.raises(SystemExit):
         main(["bench", "nonesuch"])
     monkeypatch.setattr(bench_cli, "available", lambda: ["fsdp"])

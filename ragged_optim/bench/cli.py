@@ -80,6 +80,14 @@ def _write_json(path: str, obj) -> None:
         f.write("\n")
 
 
+def _rows_table(name: str, result: dict) -> str | None:
+    """The benchmark's own Markdown table of its rows, if it has one and the result holds them."""
+    render = getattr(importlib.import_module(_module_name(name)), "markdown_table", None)
+    if render is None or "families" not in result:
+        return None
+    return render(result)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from ragged_optim.bench.common import format_table, machine_info, markdown_report
 
@@ -113,7 +121,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         out_dir = args.out or DEFAULT_OUT_DIR
         _write_json(os.path.join(out_dir, "latest.json"), payload)
         with open(os.path.join(out_dir, "latest.md"), "w") as f:
-            f.write(markdown_report(results, machine) + "\n")
+            tables = {name: t for name, res in results.items() if (t := _rows_table(name, res))}
+            f.write(markdown_report(results, machine, tables) + "\n")
         print(f"[bench] wrote {out_dir}/latest.json and latest.md", file=sys.stderr)
     elif args.out:
         _write_json(args.out, payload)
@@ -121,8 +130,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(json.dumps(payload, default=str))
     else:
         for name, res in results.items():
-            print(format_table(res, title=f"bench {name}"))
+            rows_table = _rows_table(name, res)
+            keys = {k: v for k, v in res.items() if not (rows_table and k == "families")}
+            print(format_table(keys, title=f"bench {name}"))
             print()
+            if rows_table:  # a benchmark with rows (peers): them as a table, not one line of nested dicts
+                print(rows_table)
+                print()
     return 1 if failed else 0
 
 

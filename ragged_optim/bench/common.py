@@ -131,13 +131,21 @@ def format_table(result: dict, title: str | None = None) -> str:
     return "\n".join(lines)
 
 
-def markdown_report(results: dict, machine: dict) -> str:
-    """Markdown of ``bench all``: the machine, then one key/value table per benchmark."""
+def markdown_report(results: dict, machine: dict, row_tables: dict[str, str] | None = None) -> str:
+    """Markdown of ``bench all``: the machine, then one key/value table per benchmark; a benchmark in
+    ``row_tables`` (name -> its own Markdown table of rows) shows that table in place of its ``families`` key."""
+    row_tables = row_tables or {}
     out = ["# ragged-optim benchmarks", ""]
     out.append(f"Machine: {machine_line(machine)}.")
     out.append("")
     for name, res in results.items():
         out += [f"## {name}", "", "| key | value |", "|---|---|"]
-        out += [f"| {k} | {_fmt(v).replace('|', '/')} |" for k, v in res.items()]
+        out += [
+            f"| {k} | {_fmt(v).replace('|', '/')} |"
+            for k, v in res.items()
+            if not (name in row_tables and k == "families")
+        ]
         out.append("")
+        if name in row_tables:
+            out += [row_tables[name], ""]
     return "\n".join(out)
