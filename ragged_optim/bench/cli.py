@@ -82,10 +82,10 @@ def _write_json(path: str, obj) -> None:
 
 def _rows_table(name: str, result: dict) -> str | None:
     """The benchmark's own Markdown table of its rows, if it has one and the result holds them."""
-    render = getattr(importlib.import_module(_module_name(name)), "markdown_table", None)
-    if render is None or "families" not in result:
+    if "families" not in result:  # (checked first: a benchmark that failed to import has only "error")
         return None
-    return render(result)
+    render = getattr(importlib.import_module(_module_name(name)), "markdown_table", None)
+    return None if render is None else render(result)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
