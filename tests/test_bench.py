@@ -325,3 +325,31 @@ def test_sqrt_v_storage_tracks_adams_second_moment_better_than_v():
         assert ours < rows[(grads, "v, absmax")]["inv_sqrt_v_rms_rel_err"]
         assert ours < rows[(grads, "sqrt(v), stochastic")]["inv_sqrt_v_rms_rel_err"]
         assert abs(rows[(grads, "sqrt(v), stochastic")]["sqrt_v_rel_err_median"]) < 0.005
+
+
+def test_peers_by_seed_merge_equals_one_process(monkeypatch, tmp_path):
+    """`benchmarks/peers_by_seed.py`: seeds trained in separate runs and merged give what one `peers.run` over
+    those seeds gives (the losses, per seed and as keys; the times are the machine's)."""
+    import importlib.util
+    from pathlib import Path
+
+    from ragged_optim.bench import peers
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "peers_by_seed.py"
+    spec = importlib.util.spec_from_file_location("peers_by_seed", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.setitem(peers.FAMILIES, "adamw8bit", ["ro.AdamW8bit", "torch.optim.AdamW (fp32)"])
+    files = []
+    for seed in (1, 0):
+        files.append(str(tmp_path / f"seed{seed}.json"))
+        assert script.main(["--seed", str(seed), "--families", "adamw8bit", "--steps", "2", "--out", files[-1]]) == 0
+    merged = script.merge(files)
+    whole = peers.run(steps=2, seeds=(1, 0), families=("adamw8bit",))
+    for row in ("ro.AdamW8bit", "torch.optim.AdamW (fp32)"):
+        a, b = merged["families"]["adamw8bit"][row], whole["families"]["adamw8bit"][row]
+        assert a["val_loss_per_seed"] == b["val_loss_per_seed"] and a["max_step_over_lr"] == b["max_step_over_lr"]
+    for key in ("adamw8bit_val_loss_ratio_vs_fp32", "adamw8bit_val_loss_ratio_vs_fp32_per_seed", "seeds", "steps"):
+        assert merged[key] == whole[key]
+    with pytest.raises(SystemExit, match="the same seed twice"):
+        script.merge([files[0], files[0]])

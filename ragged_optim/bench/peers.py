@@ -304,6 +304,14 @@ def run(
         t0 = time.perf_counter()
         per_seed[seed] = _train_seed(rows, seed, steps, corpus, device)
         print(f"[bench peers] seed {seed}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    return summarize(per_seed, list(families), steps, device)
+
+
+def summarize(per_seed: dict[int, dict[str, dict]], families, steps: int, device: str = "cpu") -> dict:
+    """The result of :func:`run` from its per-seed runs (``{seed: _train_seed(...)}``): seeds trained in separate
+    processes, merged, give the same keys as one process that trained them all."""
+    seeds = tuple(per_seed)
+    families = {f: FAMILIES[f] for f in families}
     tables: dict[str, dict[str, dict]] = {}
     for fam, fam_rows in families.items():
         ours = fam_rows[0]
