@@ -493,8 +493,8 @@ def test_step_peak_memory_no_more_than_torch_muon():
 def test_whole_param_path_equals_block_api_path(kw):
     """A param held whole skips map_blocks (Newton-Schulz on the update, ``p.add_`` from its ns_dtype result); a
     subclass that overrides phase (c) keeps every param on the block-API path; one that overrides phase (a) has it
-    called per param instead of step()'s foreach momentum. All give the same bits, for 2-D, 3-D stacks and 4-D
-    params."""
+    called per param instead of step()'s foreach momentum (forced with ``foreach=True``: a CPU's default is per
+    param). All give the same bits, for 2-D, 3-D stacks and 4-D params."""
 
     class BlockPath(Muon):
         def _apply_muon_update(self, item, ortho):
@@ -507,10 +507,25 @@ def test_whole_param_path_equals_block_api_path(kw):
             PerParamMomentum.calls += 1
             return super()._local_muon_update(p, grad, group, key=key)
 
-    shapes = [(24, 8), (8, 24), (16, 16), (3, 12, 5), (6, 2, 2, 3)]
+    shapes = [(24, 8), (8, 24), (16, 16), (3, 12, 5), (6, 2, 2, 3), (7,), (1,)]  # the 1-D ones: AdamW
     ps = make_params(shapes)
-    qs, rs = clone_params(ps), clone_params(ps)
+    qs, rs, fs = clone_params(ps), clone_params(ps), clone_params(ps)
     opts = [Muon(ps, weight_decay=0.1, **kw), BlockPath(qs, weight_decay=0.1, **kw)]
-    run_steps([*opts, PerParamMomentum(rs, weight_decay=0.1, **kw)], [ps, qs, rs], steps=3)
-    assert PerParamMomentum.calls == 3 * len(shapes)
-    assert all(torch.equal(p, q) and torch.equal(p, r) for p, q, r in zip(ps, qs, rs))
+    opts += [PerParamMomentum(rs, weight_decay=0.1, **kw), Muon(fs, weight_decay=0.1, foreach=True, **kw)]
+    run_steps(opts, [ps, qs, rs, fs], steps=3)
+    assert PerParamMomentum.calls == 3 * (len(shapes) - 2)
+    assert all(torch.equal(p, q) and torch.equal(p, r) and torch.equal(p, f) for p, q, r, f in zip(ps, qs, rs, fs))
+
+
+def test_foreach_option_same_bits_and_checked():
+    """``foreach`` True / False / None (per param on a CPU for the momentum, foreach for AdamW) give the same bits;
+    anything else is refused by name."""
+    shapes = [(24, 8), (16, 16), (7,), (5,), (3, 4)]
+    runs = []
+    for foreach in (None, True, False):
+        ps = make_params(shapes)
+        run_steps([Muon([{"params": ps[:2]}, {"params": ps[2:], "use_muon": False}], foreach=foreach)], [ps], 3)
+        runs.append(ps)
+    assert all(torch.equal(a, b) for run in runs[1:] for a, b in zip(runs[0], run))
+    with pytest.raises(ValueError, match="foreach must be None, True or False, got 'yes'"):
+        Muon(make_params(shapes), foreach="yes")

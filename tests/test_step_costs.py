@@ -90,9 +90,9 @@ def _last_step_ops(opt, params, steps=2) -> Counter:
 def test_muon_step_dispatches_torch_muons_ops():
     """A GPU runs a Muon step over small matrices at the host's pace, one kernel launch per op (on an H200, the
     small GPT's step took ro.Muon 18.6 ms and torch.optim.Muon 14.2 ms while our step added a cast and a copy per
-    matrix). Per step ro.Muon dispatches torch.optim.Muon's ops, except that the momentum and the weight decay of
-    all params are one foreach op each instead of one op per param; the non-finite check adds the same few ops
-    whatever the number of params (one fused reduction, no op per param)."""
+    matrix). Per step ro.Muon dispatches torch.optim.Muon's ops; with foreach (a GPU's default, forced here) the
+    momentum and the weight decay of all params are one foreach op each instead of one op per param. The
+    non-finite check adds the same few ops whatever the number of params (one fused reduction, no op per param)."""
     from ragged_optim.optim.nonfinite import set_nonfinite_policy
 
     shapes = [(24, 8), (8, 24), (16, 16), (16, 16), (1, 12), (12, 1), (33, 17)]  # tall, wide, square, 1xN, Nx1
@@ -100,15 +100,18 @@ def test_muon_step_dispatches_torch_muons_ops():
     for n in (4, len(shapes)):
         g = torch.Generator().manual_seed(0)
         ps = [torch.randn(s, generator=g).requires_grad_() for s in shapes[:n]]
-        qs, rs = ([p.detach().clone().requires_grad_() for p in ps] for _ in range(2))
+        qs, fs, rs = ([p.detach().clone().requires_grad_() for p in ps] for _ in range(3))
         checked = Muon(ps, ns_matmul="native", weight_decay=0.01)
         unchecked = Muon(qs, ns_matmul="native", weight_decay=0.01)
-        set_nonfinite_policy(unchecked, "off")
+        foreach_unchecked = Muon(fs, ns_matmul="native", weight_decay=0.01, foreach=True)
+        for opt in (unchecked, foreach_unchecked):
+            set_nonfinite_policy(opt, "off")
         theirs = _last_step_ops(torch.optim.Muon(rs, lr=0.02, weight_decay=0.01), rs)
+        assert _last_step_ops(unchecked, qs) == theirs  # a CPU's default: per param, torch's ops exactly
         per_param = Counter({"aten.lerp_.Scalar": n, "aten.mul_.Tensor": n})  # momentum, weight decay
         assert theirs & per_param == per_param, theirs
         foreach = Counter({"aten._foreach_lerp_.Scalar": 1, "aten._foreach_mul_.Scalar": 1})
-        assert _last_step_ops(unchecked, qs) == theirs - per_param + foreach
+        assert _last_step_ops(foreach_unchecked, fs) == theirs - per_param + foreach
         extra.append(sum(_last_step_ops(checked, ps).values()) - sum(_last_step_ops(unchecked, qs).values()))
     assert extra[0] == extra[1], extra  # 8 on torch 2.13 (13 before 2026-12-01): a fixed cost, not one per param
 

@@ -23,6 +23,23 @@ def scalar(x) -> float:
     return x.item() if isinstance(x, torch.Tensor) else x
 
 
+def _foreach_devices() -> tuple[str, ...]:
+    try:
+        from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
+
+        return tuple(_get_foreach_kernels_supported_devices())
+    except ImportError:  # (a private torch helper; "cuda" is its answer where it exists)
+        return ("cuda",)
+
+
+def on_foreach_device(tensors) -> bool:
+    """Whether every tensor is on a device with native ``torch._foreach_*`` kernels (CUDA, XPU): one multi-tensor
+    kernel per op there. A CPU runs foreach ops as a loop over the tensors, each visited once per op (torch.optim's
+    ``foreach=None`` draws the same line)."""
+    devices = _foreach_devices()
+    return all(t.device.type in devices for t in tensors)
+
+
 def is_dtensor(t: torch.Tensor) -> bool:
     return hasattr(t, "to_local") and hasattr(t, "placements")
 

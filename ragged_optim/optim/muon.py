@@ -5,7 +5,8 @@ A Muon step has three phases, kept apart so that a sharded subclass can replace 
 (a) **local, elementwise** (:meth:`Muon._local_muon_update`): decoupled weight decay ``p *= 1 - lr * wd``, momentum
     ``buf.lerp_(grad, 1 - momentum)`` and the Nesterov blend ``u = grad.lerp(buf, momentum)`` (``u = buf``
     without Nesterov). Works on whatever tensor ``p`` is: a whole param or one rank's shard of it.
-    :meth:`Muon.step` runs the in-place parts for all of a group's params as one foreach op each.
+    On a GPU :meth:`Muon.step` runs the in-place parts for all of a group's params as one foreach op each; on a
+    CPU per param, right before that param's Newton-Schulz (``foreach``).
 (b) **matrix** (:meth:`Muon._orthogonalize_updates`): Newton-Schulz on each update viewed as its matrix (2-D as is,
     a 3-D stack ``[E, R, C]`` as E matrices, 4-D+ conv weights flattened to ``[out, rest]``), batched by shape.
 (c) **local, elementwise** (:meth:`Muon._apply_muon_update`): ``p.add_(o, alpha=-adjusted_lr)`` where the adjusted
@@ -35,7 +36,7 @@ from ragged_optim.kernels.newton_schulz import (
     NS_MATMUL_MODES,
     newton_schulz,
 )
-from ragged_optim.optim.base import full_shape, local, ns_cost, scalar
+from ragged_optim.optim.base import full_shape, local, ns_cost, on_foreach_device, scalar
 from ragged_optim.optim.optimizer import RaggedOptimizer, check_bool, check_real, check_reals
 from ragged_optim.sharding import BlockSpec
 
@@ -175,22 +176,22 @@ def adamw_foreach_update_(
         torch._foreach_addcdiv_(ps, exp_avgs, denom, [-(lr / (1 - beta1**s)) for s in step_values])
 
 
-def adamw_group_update_(params: list[Tensor], grads: list[Tensor], states: list[dict], group: dict) -> None:
-    """:func:`adamw_foreach_update_` with the hyperparameters of an AdamW param group (``lr``, ``betas``, ``eps``,
-    ``weight_decay``), on this rank's local elements of each param and grad."""
+def adamw_group_update_(
+    params: list[Tensor], grads: list[Tensor], states: list[dict], group: dict, foreach: bool = True
+) -> None:
+    """AdamW with the hyperparameters of an AdamW param group (``lr``, ``betas``, ``eps``, ``weight_decay``) on this
+    rank's local elements of each param and grad: :func:`adamw_foreach_update_`, or :func:`adamw_update_` per param
+    when not ``foreach`` (the same bits)."""
     if not params:
         return
     beta1, beta2 = group["betas"]
-    adamw_foreach_update_(
-        [local(p) for p in params],
-        [local(g) for g in grads],
-        states,
-        lr=scalar(group["lr"]),
-        beta1=beta1,
-        beta2=beta2,
-        eps=group["eps"],
-        weight_decay=group["weight_decay"],
-    )
+    ps, gs = [local(p) for p in params], [local(g) for g in grads]
+    kw = dict(lr=scalar(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"])
+    if foreach:
+        adamw_foreach_update_(ps, gs, states, **kw)
+    else:
+        for p, g, state in zip(ps, gs, states):
+            adamw_update_(p, g, state, **kw)
 
 
 class Muon(RaggedOptimizer):
@@ -217,6 +218,11 @@ class Muon(RaggedOptimizer):
             fp32 accumulation, as a bf16 GEMM does on GPUs). ``"auto"`` (default): ``"upcast"`` for bf16/fp16 on a
             CPU without a native low-precision GEMM (there it is 10-70x faster per matmul and as accurate),
             ``"native"`` elsewhere. See :mod:`ragged_optim.kernels.newton_schulz`.
+        foreach: how a group's elementwise ops run. None (default): the AdamW params' as ``torch._foreach_*`` ops
+            (one op for all params instead of ~9 per param); the Muon params' momentum and weight decay as foreach
+            ops on a GPU (a small model's step is bound by the host's cost per op there), per param on a CPU, right
+            before that param's Newton-Schulz (its tensors are still in cache). True / False: foreach / per param
+            for both. The same bits every way.
 
     Group keys. In a group with ``use_muon=False`` the keys ``lr``, ``betas``, ``eps``, ``weight_decay`` are the
     AdamW values (falling back to the group's ``adamw_*`` keys, then to the constructor's ``adamw_*``). In a group
@@ -256,6 +262,7 @@ class Muon(RaggedOptimizer):
         adamw_weight_decay: float = 0.0,
         wire_dtype: torch.dtype | str | None = None,
         ns_matmul: str = "auto",
+        foreach: bool | None = None,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -279,8 +286,11 @@ class Muon(RaggedOptimizer):
             raise ValueError(f"wire_dtype must be None, a torch.dtype, 'int8' or 'fp8_e4m3', got {wire_dtype!r}")
         if ns_matmul not in NS_MATMUL_MODES:
             raise ValueError(f"ns_matmul must be one of {NS_MATMUL_MODES}, got {ns_matmul!r}")
+        if foreach not in (None, True, False):
+            raise ValueError(f"foreach must be None, True or False, got {foreach!r}")
         self.wire_dtype = wire_dtype
         self.ns_matmul = ns_matmul
+        self.foreach = foreach
         self._split_by_shape = False  # set when a group without ``use_muon`` was split by ndim
         super().__init__(params, defaults)
         if self._split_by_shape and not any(g["params"] for g in self.param_groups if g["use_muon"]):
@@ -524,10 +534,10 @@ class Muon(RaggedOptimizer):
             if not params:  # (foreach ops refuse empty lists)
                 continue
             if not group["use_muon"]:
-                adamw_group_update_(params, grads, [self.state[p] for p in params], group)
+                adamw_group_update_(params, grads, [self.state[p] for p in params], group, self.foreach is not False)
                 continue
             lr = self._group_lr(group)
-            if foreach_a:
+            if foreach_a and (self.foreach or (self.foreach is None and on_foreach_device(grads))):
                 updates = self._local_muon_updates(params, grads, group, lr)
             else:
                 updates = (self._local_muon_update(local(p), g, group, key=p) for p, g in zip(params, grads))
