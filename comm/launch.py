@@ -22,7 +22,8 @@ class RankFailure(RuntimeError):
     """A rank raised, died or timed out; the message carries its rank and traceback."""
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this host now (for a torchrun ``--master-port`` or a ``tcp://`` init method)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from ragged_optim.comm.launch import run_on_ranks
+from ragged_optim.comm.launch import free_port, run_on_ranks
 from ragged_optim.sharding import fully_shard, get_full_state_dict
 from ragged_optim.testing import _set_grads, default_grad
 
@@ -313,7 +313,6 @@ def test_llama_checkpoint_loads_into_fsdp2_and_ours_under_torchrun(tmp_path):
     """A tiny LlamaForCausalLM trained a step and saved by ro.save_checkpoint at 3 ranks loads, under torchrun at 2
     ranks, into torch FSDP2 with torch's own dcp.load/set_model_state_dict and into ours with ro.load_checkpoint:
     every tensor equal (main wrote flat 1-D entries that neither could load)."""
-    import socket
     import subprocess
     import sys
 
@@ -323,9 +322,7 @@ def test_llama_checkpoint_loads_into_fsdp2_and_ours_under_torchrun(tmp_path):
     path, out = str(tmp_path / "ckpt"), str(tmp_path / "out.pt")
     want = run_on_ranks(llama_save, 3, path)[0]
     job = os.path.join(os.path.dirname(__file__), "dcp_torchrun_job.py")
-    with socket.socket() as sock:  # a free port: other test runs share this machine
-        sock.bind(("127.0.0.1", 0))
-        port = str(sock.getsockname()[1])
+    port = str(free_port())  # other test runs share this machine
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", port]
     env = {**os.environ, "PYTHONPATH": os.path.dirname(__file__), "OMP_NUM_THREADS": "1"}
     done = subprocess.run([*cmd, job, path, out], env=env, capture_output=True, text=True, timeout=240)
