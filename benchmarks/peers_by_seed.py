@@ -27,10 +27,10 @@ from ragged_optim.bench import peers
 def train(seed: int, families: list[str], steps: int, device: str) -> dict:
     from ragged_optim.data import load_corpus
 
-    unknown = [f for f in families if f not in peers.FAMILIES]
-    if unknown:
-        raise SystemExit(f"unknown families {unknown}; choose from {list(peers.FAMILIES)}")
-    rows = list(dict.fromkeys(r for f in families for r in peers.FAMILIES[f]))
+    try:
+        _, rows = peers.rows_of(families)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     torch.set_num_threads(1)
     t0 = time.perf_counter()
     runs = peers._train_seed(rows, seed, steps, load_corpus(), device)

@@ -271,6 +271,16 @@ def _train_seed(rows: list[str], seed: int, steps: int, corpus, device="cpu") ->
     return out
 
 
+def rows_of(families=None) -> tuple[list[str], list[str]]:
+    """``(family names, rows to train)`` for names of :data:`FAMILIES` (None: all); a row in two families is
+    trained once."""
+    unknown = [f for f in families or () if f not in FAMILIES]
+    if unknown:
+        raise ValueError(f"unknown families {unknown}; choose from {list(FAMILIES)}")
+    names = list(FAMILIES) if families is None else list(families)
+    return names, list(dict.fromkeys(r for f in names for r in FAMILIES[f]))  # (fp32 AdamW is in two)
+
+
 def run(
     world_size: int | None = None,
     steps: int | None = None,
@@ -291,12 +301,7 @@ def run(
     seeds = tuple(range(seeds)) if isinstance(seeds, int) else tuple(seeds)
     if not seeds:
         raise ValueError("seeds must name at least one seed (or be a count >= 1)")
-    unknown = [f for f in families or () if f not in FAMILIES]
-    if unknown:
-        raise ValueError(f"unknown families {unknown}; choose from {list(FAMILIES)}")
-    families = dict(FAMILIES) if families is None else {f: FAMILIES[f] for f in families}
-    rows = [r for fam in families.values() for r in fam]
-    rows = list(dict.fromkeys(rows))  # fp32 AdamW is in two families: trained once
+    families, rows = rows_of(families)
     corpus = load_corpus()
     torch.set_num_threads(1)
     per_seed = {}
@@ -304,7 +309,7 @@ def run(
         t0 = time.perf_counter()
         per_seed[seed] = _train_seed(rows, seed, steps, corpus, device)
         print(f"[bench peers] seed {seed}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
-    return summarize(per_seed, list(families), steps, device)
+    return summarize(per_seed, families, steps, device)
 
 
 def summarize(per_seed: dict[int, dict[str, dict]], families, steps: int, device: str = "cpu") -> dict:
