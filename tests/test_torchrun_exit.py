@@ -55,6 +55,9 @@ from ragged_optim.comm import exit_guard
 assert exit_guard.gloo_worker_threads() == 0
 t0 = time.perf_counter(); exit_guard._hand_over_gil(); idle = time.perf_counter() - t0
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+deadline = time.monotonic() + 30  # the workers name themselves once they run, just after init returns
+while exit_guard.gloo_worker_threads() == 0 and time.monotonic() < deadline:
+    time.sleep(0.01)
 live = exit_guard.gloo_worker_threads()
 t0 = time.perf_counter(); exit_guard._hand_over_gil(); waited = time.perf_counter() - t0
 dist.destroy_process_group(); gc.collect()
