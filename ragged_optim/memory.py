@@ -49,3 +49,26 @@ def allocation_timeline(prof) -> list[tuple[int, int]]:
         return []
     base = events[0][1] - events[0][2]
     return [(t, total - base) for t, total, _ in events]
+
+
+def backend_held_bytes(prof, t_ns: int) -> int:
+    """Bytes allocated inside a ``c10d::`` op of a CPU profile and still alive at ``t_ns``: a collective backend's
+    own copies (gloo's reduce-scatter clones its input). Gloo's worker thread frees a finished work's copy only
+    when it picks up its next work, so whether the copy is alive at a given moment is a matter of which worker ran
+    the last collective: not something either side of a comparison keeps."""
+    allocs = []
+    for root in prof.profiler.kineto_results.experimental_event_tree():
+        stack = [(root, False)]
+        while stack:
+            node, in_c10d = stack.pop()
+            in_c10d = in_c10d or node.name.startswith("c10d::")
+            stack.extend((child, in_c10d) for child in node.children)
+            if node.tag == torch._C._profiler._EventType.Allocation and node.start_time_ns < t_ns:
+                allocs.append((node.start_time_ns, node.extra_fields.ptr, node.extra_fields.alloc_size, in_c10d))
+    live: dict[int, int] = {}
+    for _, ptr, size, in_c10d in sorted(allocs):
+        if size > 0 and in_c10d:
+            live[ptr] = size
+        elif size < 0:
+            live.pop(ptr, None)
+    return sum(live.values())
