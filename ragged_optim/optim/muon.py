@@ -6,7 +6,8 @@ A Muon step has three phases, kept apart so that a sharded subclass can replace 
     ``buf.lerp_(grad, 1 - momentum)`` and the Nesterov blend ``u = grad.lerp(buf, momentum)`` (``u = buf``
     without Nesterov). Works on whatever tensor ``p`` is: a whole param or one rank's shard of it.
     On a GPU :meth:`Muon.step` runs the in-place parts for all of a group's params as one foreach op each; on a
-    CPU per param, right before that param's Newton-Schulz (``foreach``).
+    CPU per param, right before that param's Newton-Schulz (``foreach``), and the decay right before its phase (c),
+    while ``p`` is in cache (torch.optim.Muon's order).
 (b) **matrix** (:meth:`Muon._orthogonalize_updates`): Newton-Schulz on each update viewed as its matrix (2-D as is,
     a 3-D stack ``[E, R, C]`` as E matrices, 4-D+ conv weights flattened to ``[out, rest]``), batched by shape.
 (c) **local, elementwise** (:meth:`Muon._apply_muon_update`): ``p.add_(o, alpha=-adjusted_lr)`` where the adjusted
@@ -67,6 +68,12 @@ _PHASE_BC_METHODS = ("_orthogonalize_updates", "_orthogonalize_blocks", "_apply_
 
 #: A group's Newton-Schulz settings, as :func:`newton_schulz` names them (:func:`_ns_settings` reads them).
 _NS_SETTINGS = ("steps", "coefficients", "eps", "dtype")
+
+
+def _decay_(p: Tensor, factor: float) -> None:
+    """Decoupled weight decay ``p *= factor`` (nothing when the factor is 1)."""
+    if factor != 1:
+        local(p).mul_(factor)
 
 
 def _ns_settings(group: dict) -> tuple:
@@ -443,12 +450,17 @@ class Muon(RaggedOptimizer):
     def _local_muon_update(self, p: Tensor, grad: Tensor, group: dict[str, Any], key: Tensor | None = None) -> Tensor:
         """Phase (a): weight decay, momentum and Nesterov, elementwise on ``p`` (whole or a shard); state is kept
         under ``key`` (the param object the user gave, when ``p`` is its local shard)."""
-        buf = self._momentum_buffer(p if key is None else key, grad)
-        momentum = group["momentum"]
-        buf.lerp_(grad, 1 - momentum)
         wd = group["weight_decay"]
         if wd != 0:
             p.mul_(1 - self._group_lr(group) * wd)
+        return self._momentum_update(p, grad, group, key)
+
+    def _momentum_update(self, p: Tensor, grad: Tensor, group: dict[str, Any], key: Tensor | None = None) -> Tensor:
+        """Phase (a) less the weight decay: momentum and Nesterov (the decay reads and writes ``p`` alone, so it may
+        come at any time before phase (c) with the same bits)."""
+        buf = self._momentum_buffer(p if key is None else key, grad)
+        momentum = group["momentum"]
+        buf.lerp_(grad, 1 - momentum)
         return grad.lerp(buf, momentum) if group["nesterov"] else buf
 
     def block_spec(self, p: Tensor, group: dict[str, Any]) -> BlockSpec | None:
@@ -537,17 +549,24 @@ class Muon(RaggedOptimizer):
                 adamw_group_update_(params, grads, [self.state[p] for p in params], group, self.foreach is not False)
                 continue
             lr = self._group_lr(group)
+            # decay: the weight decay factor still to apply to each param before its phase (c); 1 when done
+            decay = 1.0
             if foreach_a and (self.foreach or (self.foreach is None and on_foreach_device(grads))):
                 updates = self._local_muon_updates(params, grads, group, lr)
+            elif foreach_a:  # per param: the decay right before p's update, while p is in cache (as torch does)
+                decay = 1 - lr * group["weight_decay"]
+                updates = (self._momentum_update(local(p), g, group, key=p) for p, g in zip(params, grads))
             else:
                 updates = (self._local_muon_update(local(p), g, group, key=p) for p, g in zip(params, grads))
             ns_kw = dict(zip(_NS_SETTINGS, _ns_settings(group)))
             for p, update in zip(params, updates):
                 item = MuonItem(p, update, group)
                 if self.ns_batched_matmul or self.has_cut_blocks(p):
+                    _decay_(p, decay)
                     items.append(item)
-                elif not (whole_ok and self._finish_whole_param(item, ns_kw, lr)):
+                elif not (whole_ok and self._finish_whole_param(item, ns_kw, lr, decay)):
                     # its matrices are all on their holders: done now, so one update is alive at a time
+                    _decay_(p, decay)
                     self._finish_muon_items([item])
         if items:
             self._finish_muon_items(items)
@@ -566,13 +585,14 @@ class Muon(RaggedOptimizer):
         for grad, buf in zip(grads, bufs):
             yield grad.lerp(buf, momentum) if group["nesterov"] else buf
 
-    def _finish_whole_param(self, item: MuonItem, ns_kw: dict[str, Any], lr: float) -> bool:
+    def _finish_whole_param(self, item: MuonItem, ns_kw: dict[str, Any], lr: float, decay: float = 1.0) -> bool:
         """Phases (b) and (c) for a param this rank holds whole (a plain tensor, or a sharded param held whole
         here) or not at all (nothing to do): Newton-Schulz straight on the update's matrix view and ``p -= lr * o``
         from its ``ns_dtype`` result, as torch.optim.Muon does (the same bits as through :meth:`map_blocks`,
         without its bookkeeping or the copy back into the update: on a GPU this step is launch-bound). False when
         this rank holds part of the param (its blocks go through :meth:`map_blocks`). ``ns_kw``: the group's
-        Newton-Schulz settings by :func:`newton_schulz`'s names; ``lr``: the group's lr as a number."""
+        Newton-Schulz settings by :func:`newton_schulz`'s names; ``lr``: the group's lr as a number; ``decay``: the
+        weight decay factor still to apply to ``p`` (right before its update; 1: none)."""
         p_local, shape = local(item.param), full_shape(item.param)
         if p_local.numel() == 0:
             return True
@@ -583,6 +603,7 @@ class Muon(RaggedOptimizer):
         matrix = item.update if tuple(item.update.shape) == want else item.update.view(want)
         ortho = newton_schulz(matrix, **ns_kw, matmul=self.ns_matmul, out_dtype=ns_kw["dtype"])
         lr = adjust_lr(lr, g["adjust_lr"], self._matrix_shape(item.param))
+        _decay_(p_local, decay)
         # (an op on an nn.Parameter costs the host a __torch_function__ round: no view unless the shape differs)
         (p_local if p_local.shape == ortho.shape else p_local.view(ortho.shape)).add_(ortho, alpha=-lr)
         return True
