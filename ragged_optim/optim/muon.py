@@ -227,9 +227,10 @@ class Muon(RaggedOptimizer):
             ``"native"`` elsewhere. See :mod:`ragged_optim.kernels.newton_schulz`.
         foreach: how a group's elementwise ops run. None (default): the AdamW params' as ``torch._foreach_*`` ops
             (one op for all params instead of ~9 per param); the Muon params' momentum and weight decay as foreach
-            ops on a GPU (a small model's step is bound by the host's cost per op there), per param on a CPU, right
-            before that param's Newton-Schulz (its tensors are still in cache). True / False: foreach / per param
-            for both. The same bits every way.
+            ops on a GPU (a small model's step is bound by the host's cost per op there), per param on a CPU: the
+            momentum right before that param's Newton-Schulz, the decay right before its update (its tensors are
+            still in cache; torch.optim.Muon's order). True / False: foreach / per param for both. The same bits
+            every way.
 
     Group keys. In a group with ``use_muon=False`` the keys ``lr``, ``betas``, ``eps``, ``weight_decay`` are the
     AdamW values (falling back to the group's ``adamw_*`` keys, then to the constructor's ``adamw_*``). In a group
