@@ -5,6 +5,7 @@ reference (``impl=`` overrides). Triton is imported lazily, so this package impo
 """
 
 from .adamw8bit import (
+    PARAM_DTYPES,
     STATE_FORMAT_VERSION,
     adamw8bit_constants,
     adamw8bit_m_bound,
@@ -16,6 +17,7 @@ from .qmaps import FORMATS, dynamic_tables
 
 __all__ = [
     "FORMATS",
+    "PARAM_DTYPES",
     "STATE_FORMAT_VERSION",
     "adamw8bit_constants",
     "adamw8bit_m_bound",

@@ -23,6 +23,8 @@ import torch
 from .adamw8bit_ref import adamw8bit_ref
 from .blockwise import check_block_size, choose_impl, num_blocks
 
+#: The dtypes of params :func:`adamw8bit_step` updates (the arithmetic is fp32 either way).
+PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: What the 8-bit state means: 2 = ``v`` stored as ``sqrt(v)`` with the zero floor; 1 = ``v`` itself.
 STATE_FORMAT_VERSION = 2
 
@@ -101,7 +103,8 @@ def adamw8bit_step(
 ) -> None:
     """One AdamW step on a contiguous run of whole blocks, in place on ``p`` and the four state tensors.
 
-    ``p`` fp32, ``g`` fp32/bf16/fp16 (same numel), ``step`` is the 1-based step count after this update. Update
+    ``p`` fp32/bf16/fp16 (bf16/fp16: computed in fp32, stored rounded to nearest once), ``g`` fp32/bf16/fp16 (same
+    numel), ``step`` is the 1-based step count after this update. Update
     (decoupled weight decay): ``p *= 1 - lr*wd; m = b1*m + (1-b1)*g; v = b2*v + (1-b2)*g*g;
     m = clamp(m, -C_t sqrt(v), C_t sqrt(v))`` (:func:`adamw8bit_m_bound`: a no-op for exact moments);
     ``p -= lr/(1-b1**t) * m / (sqrt(v)/sqrt(1-b2**t) + eps)``, then ``m`` and ``sqrt(v)`` are requantized per
@@ -109,12 +112,12 @@ def adamw8bit_step(
     check_block_size(block_size)
     n = p.numel()
     nb = num_blocks(n, block_size)
-    if p.dtype != torch.float32:
-        raise ValueError(f"adamw8bit_step needs an fp32 param chunk, got {p.dtype}")
+    if p.dtype not in PARAM_DTYPES:
+        raise ValueError(f"adamw8bit_step needs a param chunk of one of {PARAM_DTYPES}, got {p.dtype}")
     if g.numel() != n or not g.is_floating_point():
         raise ValueError(f"grad must be a floating tensor of {n} elements, got {g.dtype} with {g.numel()}")
     for name, t, dt, size in (
-        ("p", p, torch.float32, n),
+        ("p", p, p.dtype, n),
         ("g", g, g.dtype, n),
         ("m_codes", m_codes, torch.uint8, n),
         ("v_codes", v_codes, torch.uint8, n),

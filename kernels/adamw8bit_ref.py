@@ -15,7 +15,8 @@ root ``r = sqrt(v)`` (see :mod:`ragged_optim.kernels.adamw8bit`):
     p = p - step_size * (m / denom)           step_size = lr / (1 - b1**step)
     m_code, m_scale = quantize(m, "dynamic");  v_code, v_scale = quantize(r, "dynamic_unsigned")
 
-No multiply-add is fused and every division and square root is IEEE round-to-nearest. Note: torch's CPU
+No multiply-add is fused and every division and square root is IEEE round-to-nearest. A bf16 or fp16 ``p`` is
+read as fp32, updated as above and stored rounded to the nearest (even) value once, at the end. Note: torch's CPU
 ``sqrt`` on fp32 (AVX2 build, torch 2.13) is *not* correctly rounded (about 1 in 5 results is 1 ulp off), so on CPU
 the reference takes the square root with numpy (hardware ``sqrtps``, IEEE); CUDA's ``sqrtf`` is IEEE already.
 """
@@ -50,7 +51,8 @@ def adamw8bit_ref(
     decay, b1, c1, b2, c2, inv_sqrt_bc2, eps, step_size, m_bound = consts
     for e0, b0, rows, n in block_rows(p.numel(), block_size, chunk_elems_for(p.device)):
         e1 = e0 + rows * n
-        pb = p[e0:e1].view(rows, n)
+        p_out = p[e0:e1].view(rows, n)
+        pb = p_out if p_out.dtype == torch.float32 else p_out.float()
         gb = g[e0:e1].view(rows, n).float()
         m = dequantize_rows(m_codes[e0:e1].view(rows, n), m_scales[b0 : b0 + rows], "dynamic")
         r = dequantize_rows(v_codes[e0:e1].view(rows, n), v_scales[b0 : b0 + rows], "dynamic_unsigned")
@@ -63,6 +65,8 @@ def adamw8bit_ref(
         m = torch.where(m > bound, bound, torch.where(m < -bound, -bound, m))
         denom = (r * inv_sqrt_bc2).add_(eps)
         pb.sub_(torch.div(m, denom).mul_(step_size))
+        if pb is not p_out:
+            p_out.copy_(pb)
         mc, ms = quantize_rows(m, "dynamic")
         vc, vs = quantize_rows(r, "dynamic_unsigned")
         m_codes[e0:e1].copy_(mc.view(-1))

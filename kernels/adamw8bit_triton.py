@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from .qmaps import dynamic_tables
-from .quant_triton import LAUNCH_OPTS, dequantize_tile, quantize_tile, tile_shape
+from .quant_triton import LAUNCH_OPTS, dequantize_tile, quantize_tile, tile_shape, to_bf16_rtne
 
 
 @triton.jit(do_not_specialize=["numel", "num_blocks", "BS"])
@@ -22,7 +22,7 @@ def _adamw8bit_kernel(p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr,
     offs = row[:, None] * BS + col[None, :]
     mask = (col[None, :] < BS) & (offs < numel)
     rmask = row < num_blocks
-    p = tl.load(p_ptr + offs, mask=mask, other=0.0)
+    p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # (a bf16/fp16 param: computed in fp32)
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     m = dequantize_tile(
         tl.load(mc_ptr + offs, mask=mask, other=0).to(tl.int32), tl.load(ms_ptr + row, mask=rmask, other=0.0),
@@ -41,7 +41,10 @@ def _adamw8bit_kernel(p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr,
     m = tl.where(m > bound, bound, tl.where(m < -bound, -bound, m))  # |m| <= C_t sqrt(v), as in exact Adam
     denom = r * inv_sqrt_bc2 + eps
     p = p - tl.math.div_rn(m, denom) * step_size
-    tl.store(p_ptr + offs, p, mask=mask)
+    if p_ptr.dtype.element_ty == tl.bfloat16:  # a bf16 param: rounded to nearest (even) once, as torch's copy_
+        tl.store(p_ptr + offs, to_bf16_rtne(p), mask=mask)
+    else:
+        tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
     mc, ms = quantize_tile(m, mask, s_mids, s_lut, 1, S_SHIFT, S_KEY_LO, S_LUT_LEN)
     tl.store(mc_ptr + offs, mc.to(tl.uint8), mask=mask)
     tl.store(ms_ptr + row, ms, mask=rmask)

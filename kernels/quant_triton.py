@@ -34,6 +34,16 @@ def rint_f32(y):
 
 
 @triton.jit
+def to_bf16_rtne(x):
+    """fp32 ``x`` as bf16, rounded to nearest (ties to even), by integer ops on its bits: the same on every backend
+    (Triton's interpreter truncates and flushes subnormals where compiled code rounds). NaN stays NaN."""
+    bits = x.to(tl.int32, bitcast=True)
+    top = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # the carry of a round-up runs into the exponent
+    top = tl.where(x != x, 0x7FC0, top)
+    return top.to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
 def nearest_code(n, mids_ptr, lut_ptr, SHIFT: tl.constexpr, KEY_LO: tl.constexpr, LUT_LEN: tl.constexpr):
     """Number of table midpoints strictly below fp32 ``n`` (see qmaps.nearest_code), as int32."""
     bits = n.to(tl.int32, bitcast=True)

@@ -192,10 +192,32 @@ def test_sparse_grad_named_in_error():
         opt.step()
 
 
-def test_bf16_8bit_param_rejected_with_advice():
-    with pytest.raises(ValueError, match=r"bfloat16.*fp32 master params"):
-        AdamW8bit([torch.zeros(5000, dtype=torch.bfloat16, requires_grad=True)])
-    AdamW8bit([torch.zeros(50, dtype=torch.bfloat16, requires_grad=True)])  # fp32-state path takes any float
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_8bit_params_are_the_fp32_step_rounded(dtype):
+    """A bf16/fp16 param with 8-bit state (as bitsandbytes and torchao take them; this raised a ValueError before)
+    steps like an fp32 param holding the same values, the result rounded to the param's dtype: each step, an fp32
+    optimizer is handed the low-precision param's values and grad; params and 8-bit state agree bit for bit."""
+    g_ = torch.Generator().manual_seed(0)
+    n = 5000
+    low = torch.randn(n, generator=g_).to(dtype).requires_grad_()
+    ref = low.detach().float().requires_grad_()
+    opts = [AdamW8bit([x], lr=1e-2, weight_decay=0.1, block_size=256) for x in (low, ref)]
+    for _ in range(4):
+        g = (torch.randn(n, generator=g_) * torch.exp(torch.randn(n, generator=g_))).to(dtype)
+        low.grad, ref.grad = g, g.float()
+        with torch.no_grad():
+            ref.copy_(low.float())
+        for opt in opts:
+            opt.step()
+        assert low.dtype == dtype and torch.equal(low.detach(), ref.detach().to(dtype))
+        assert all(torch.equal(opts[0].state[low][k], opts[1].state[ref][k]) for k in opts[1].state[ref])
+    assert not torch.equal(low.detach(), ref.detach())  # (the fp32 values were rounded: the test can tell)
+
+
+def test_float64_8bit_param_rejected_with_advice():
+    with pytest.raises(ValueError, match=r"float64.*must be one of.*min_8bit_size above 5000"):
+        AdamW8bit([torch.zeros(5000, dtype=torch.float64, requires_grad=True)])
+    AdamW8bit([torch.zeros(50, dtype=torch.float64, requires_grad=True)])  # full-precision state takes any float
 
 
 @pytest.mark.parametrize(

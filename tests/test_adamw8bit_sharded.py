@@ -302,3 +302,50 @@ def test_dtensor_unfused_qmaps_equal_one_process():
     params = run_on_ranks(_dtensor, 3, shapes, 2, 32, qmaps)[0][0]
     for p, q in zip(params, model.ws):
         assert torch.equal(p, q.detach())
+
+
+def _low_precision_params(rank, world_size, shapes, seed, block_size, dtype, kind):
+    """bf16/fp16 params and grads, sharded by ``kind`` ("ragged": ours; "dtensor": torch FSDP2), after STEPS steps:
+    the full params (and one rank's collective counts, to see the cut blocks' exchange)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from torch.distributed.tensor import distribute_tensor
+
+    model = Params(shapes, seed).to(dtype)
+    if kind == "ragged":
+        fully_shard(model)
+    else:
+        torch_fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
+    opt = make_opt(model.parameters(), block_size)
+    calls = []
+    for step in range(STEPS):
+        for p, g in zip(model.ws, grads_for(shapes, step, seed)):
+            g = g.to(dtype)
+            if kind == "ragged":
+                lo, hi = shard_info(p).local_range
+                p.grad = g.reshape(-1)[lo:hi].clone()
+            else:
+                p.grad = distribute_tensor(g, p.device_mesh, p.placements)
+        with count_collectives() as stats:
+            opt.step()
+        calls.append(stats.calls.get("all_to_all", 0))
+    full = [full_tensor(p) if kind == "ragged" else p.full_tensor() for p in model.ws]
+    return [t.detach().clone() for t in full], calls
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_params_sharded_equal_one_process(dtype):
+    """bf16/fp16 params with 8-bit state (computed in fp32, stored rounded): ours and FSDP2's sharding give the
+    one-process params bit for bit, cut blocks included ((9, 10) over 3 ranks cuts 64-element blocks)."""
+    shapes, seed, bs = [(9, 10), (37, 29), (5,)], 4, 64
+    model = Params(shapes, seed).to(dtype)
+    opt = make_opt(model.parameters(), bs)
+    for step in range(STEPS):
+        for p, g in zip(model.ws, grads_for(shapes, step, seed)):
+            p.grad = g.to(dtype)
+        opt.step()
+    for kind in ("ragged", "dtensor"):
+        params, calls = run_on_ranks(_low_precision_params, 3, shapes, seed, bs, dtype, kind)[0]
+        for got, want in zip(params, model.ws):
+            assert got.dtype == dtype and torch.equal(got, want.detach()), (kind, got.shape)
+        assert kind == "ragged" or max(calls) == 2, calls  # FSDP2's row chunks cut blocks: they were exchanged

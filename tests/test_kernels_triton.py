@@ -57,6 +57,8 @@ if not CUDA and not INTERPRET:
         tables = dict(S_SHIFT=s.shift, S_KEY_LO=s.key_lo, S_LUT_LEN=s.lut.numel())
         tables.update(U_SHIFT=u.shift, U_KEY_LO=u.key_lo, U_LUT_LEN=u.lut.numel())
         ptx = {"adamw8bit": _compile_ptx(_adamw8bit_kernel, sig, dict(ROWS=8, COLS=256, **tables))}
+        bf16_sig = {**sig, "p_ptr": "*bf16", "g_ptr": "*bf16"}  # a bf16 param (rounded by integer ops)
+        ptx["adamw8bit_bf16_param"] = _compile_ptx(_adamw8bit_kernel, bf16_sig, dict(ROWS=8, COLS=256, **tables))
         qsig = {"x_ptr": "*bf16", "scales_ptr": "*fp32", "mids_ptr": "*fp32", "lut_ptr": "*u8", **ints}
         for name, fmt, codes in (("int8", 0, "*i8"), ("fp8", 3, "*u8")):
             consts = dict(ROWS=8, COLS=128, FMT=fmt, SHIFT=0, KEY_LO=0, LUT_LEN=1)
@@ -68,7 +70,8 @@ if not CUDA and not INTERPRET:
         for name, text in ptx.items():
             for bad in ("fma.", ".ftz", "approx", "div.full"):
                 assert bad not in text, (name, bad)
-        assert "div.rn.f32" in ptx["adamw8bit"] and "sqrt.rn.f32" in ptx["adamw8bit"]
+        for name in ("adamw8bit", "adamw8bit_bf16_param"):
+            assert "div.rn.f32" in ptx[name] and "sqrt.rn.f32" in ptx[name], name
         assert "div.rn.f32" in ptx["quantize_int8"] and "div.rn.f32" in ptx["quantize_fp8"]
 
 else:
@@ -84,7 +87,7 @@ else:
         init_adamw8bit_state,
         quantize_blockwise,
     )
-    from ragged_optim.kernels.quant_triton import fp8e4m3_decode, fp8e4m3_encode
+    from ragged_optim.kernels.quant_triton import fp8e4m3_decode, fp8e4m3_encode, to_bf16_rtne
 
     DEV = "cuda" if CUDA and not INTERPRET else "cpu"
     # interpreted programs cost ~1 ms each: keep the interpreter to a few tiles, use real sizes on a GPU
@@ -164,9 +167,36 @@ else:
         assert torch.equal(out, want), y[out != want][:10]
         assert torch.equal(back, want.to(torch.uint8).view(torch.float8_e4m3fn).float())
 
-    def _adam_both(n, bs, steps, seed, gdtype=torch.float32, wd=0.1):
+    def test_to_bf16_rtne_rounds_like_torch():
+        """The kernels' fp32 -> bf16 rounding (integer ties-to-even, since the interpreter truncates) equals torch's
+        cast on ties, their neighbours, subnormals, zeros, infinities and the overflow edge."""
+
+        @triton.jit
+        def _to_bf16(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+            offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < n
+            tl.store(y_ptr + offs, to_bf16_rtne(tl.load(x_ptr + offs, mask=mask, other=0.0)), mask=mask)
+
+        g_ = torch.Generator().manual_seed(3)
+        base = torch.randn(3000, generator=g_) * torch.exp(torch.randn(3000, generator=g_) * 10)
+        base = torch.cat([base, base * 1e-38, torch.tensor([0.0, -0.0, 3.3895e38, float("inf"), -float("inf")])])
+        b = base.bfloat16().float().view(torch.int32)
+        ties = (b + 0x8000).view(torch.float32)  # exactly half a bf16 step above: ties, half to an odd bf16 value
+        x = torch.cat(
+            [base, ties, torch.nextafter(ties, torch.tensor(1e39)), torch.nextafter(ties, -torch.tensor(1e39))]
+        )
+        x = torch.cat([x, -x, torch.tensor([torch.finfo(torch.float32).max, -torch.finfo(torch.float32).max])])
+        x = x[torch.isfinite(x) | torch.isinf(x)].contiguous().to(DEV)
+        y = torch.empty(x.numel(), dtype=torch.bfloat16, device=DEV)
+        _to_bf16[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), BLOCK=1024)
+        want = x.bfloat16()
+        assert torch.equal(y.view(torch.int16), want.view(torch.int16)), x[
+            y.view(torch.int16) != want.view(torch.int16)
+        ][:8]
+
+    def _adam_both(n, bs, steps, seed, gdtype=torch.float32, wd=0.1, pdtype=torch.float32):
         g_ = torch.Generator().manual_seed(seed)
-        p = torch.randn(n, generator=g_).to(DEV)
+        p = torch.randn(n, generator=g_).to(pdtype).to(DEV)
         s1 = init_adamw8bit_state(n, bs, DEV)
         s2 = {k: v.clone() for k, v in s1.items()}
         p1, p2 = p.clone(), p.clone()
@@ -182,6 +212,11 @@ else:
     @pytest.mark.parametrize("bs", [64, 100, 256])
     def test_adamw8bit_exact(bs):
         _adam_both((4 * bs + bs // 2) * SCALE, bs, steps=3, seed=bs)
+
+    @pytest.mark.parametrize("pdtype", [torch.bfloat16, torch.float16])
+    def test_adamw8bit_exact_low_precision_params(pdtype):
+        """A bf16/fp16 param: read as fp32, stored rounded to nearest once (the reference's copy_), bit for bit."""
+        _adam_both(4 * 128 * SCALE, 128, steps=3, seed=7, gdtype=pdtype, pdtype=pdtype)
 
     def test_adamw8bit_exact_subnormal_grads():
         """Tiny grads make v (and sqrt(v), m) subnormal."""

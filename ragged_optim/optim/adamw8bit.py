@@ -36,6 +36,7 @@ from torch import Tensor
 
 from ragged_optim.kernels import (
     FORMATS,
+    PARAM_DTYPES,
     STATE_FORMAT_VERSION,
     adamw8bit_constants,
     adamw8bit_m_bound,
@@ -67,7 +68,11 @@ class AdamW8bit(RaggedOptimizer):
     """AdamW (decoupled weight decay) with 8-bit block-wise quantized moments.
 
     Args:
-        params: tensors or param groups (plain, ragged-sharded, or FSDP2 DTensor ``Shard(0)``).
+        params: tensors or param groups (plain, ragged-sharded, or FSDP2 DTensor ``Shard(0)``). Params with 8-bit
+            state may be fp32, bf16 or fp16: a bf16/fp16 param's update is computed in fp32 and stored rounded to
+            the nearest value, so an update below half its spacing is lost (as in bitsandbytes' 8-bit optimizers;
+            fp32 master params, e.g. ``fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=bf16))``,
+            keep them).
         lr, betas, eps, weight_decay: AdamW's (``torch.optim.AdamW`` meaning; ``p *= 1 - lr * weight_decay``).
         block_size: elements per quantization block (one fp32 scale each, per moment).
         min_8bit_size: params with fewer elements (full, unsharded size) keep fp32 state and equal
@@ -197,11 +202,10 @@ class AdamW8bit(RaggedOptimizer):
             )
         if not p.is_floating_point():
             raise ValueError(f"{what()} has dtype {p.dtype}; AdamW8bit optimizes floating-point params only")
-        if self._is_8bit(p, group) and p.dtype != torch.float32:
+        if self._is_8bit(p, group) and p.dtype not in PARAM_DTYPES:
             raise ValueError(
-                f"{what()} is {p.dtype}; 8-bit state needs fp32 master params (keep the params fp32 and compute in "
-                "low precision with fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)), "
-                f"or raise min_8bit_size above {self._numel(p)} so it keeps fp32 state)"
+                f"{what()} is {p.dtype}; params with 8-bit state must be one of {PARAM_DTYPES} (or raise "
+                f"min_8bit_size above {self._numel(p)} so that it keeps full-precision state)"
             )
         if is_dtensor(p):
             from ragged_optim.sharding.owner_routes import dtensor_local_ranges
@@ -561,6 +565,7 @@ def _unfused_step(
         step, lr, beta1, beta2, eps, weight_decay
     )
     m_fmt, v_fmt = qmaps
+    p_out, p = p, (p if p.dtype == torch.float32 else p.float())  # a bf16/fp16 param: computed in fp32
     m = dequantize_blockwise(state["exp_avg_codes"], state["exp_avg_scales"], block_size, m_fmt)
     r = dequantize_blockwise(state["exp_avg_sq_codes"], state["exp_avg_sq_scales"], block_size, v_fmt)
     v = r.mul_(r)  # the state holds sqrt(v)
@@ -573,5 +578,7 @@ def _unfused_step(
     m = torch.where(m > bound, bound, torch.where(m < -bound, -bound, m))
     denom = (r * inv_sqrt_bc2).add_(eps32)
     p.sub_(torch.div(m, denom).mul_(step_size))
+    if p is not p_out:
+        p_out.copy_(p)
     quantize_blockwise(m, block_size, m_fmt, codes=state["exp_avg_codes"], scales=state["exp_avg_scales"])
     quantize_blockwise(r, block_size, v_fmt, codes=state["exp_avg_sq_codes"], scales=state["exp_avg_sq_scales"])
