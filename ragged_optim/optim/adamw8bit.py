@@ -75,8 +75,8 @@ class AdamW8bit(RaggedOptimizer):
             keep them).
         lr, betas, eps, weight_decay: AdamW's (``torch.optim.AdamW`` meaning; ``p *= 1 - lr * weight_decay``).
         block_size: elements per quantization block (one fp32 scale each, per moment).
-        min_8bit_size: params with fewer elements (full, unsharded size) keep fp32 state and equal
-            ``torch.optim.AdamW`` exactly.
+        min_8bit_size: params with fewer elements (full, unsharded size) keep full state (in the param's dtype, as
+            torch's) and equal ``torch.optim.AdamW`` exactly.
         qmaps: ``(m format, v format)``, formats of :mod:`ragged_optim.kernels` (``"dynamic"``,
             ``"dynamic_unsigned"``, ``"int8"``, ``"fp8_e4m3"``). The default takes the fused kernel; other choices
             run the same arithmetic unfused (dequantize, update, quantize) and exist to compare maps.
