@@ -451,9 +451,7 @@ class Muon(RaggedOptimizer):
     def _local_muon_update(self, p: Tensor, grad: Tensor, group: dict[str, Any], key: Tensor | None = None) -> Tensor:
         """Phase (a): weight decay, momentum and Nesterov, elementwise on ``p`` (whole or a shard); state is kept
         under ``key`` (the param object the user gave, when ``p`` is its local shard)."""
-        wd = group["weight_decay"]
-        if wd != 0:
-            p.mul_(1 - self._group_lr(group) * wd)
+        _decay_(p, 1 - self._group_lr(group) * group["weight_decay"])
         return self._momentum_update(p, grad, group, key)
 
     def _momentum_update(self, p: Tensor, grad: Tensor, group: dict[str, Any], key: Tensor | None = None) -> Tensor:
