@@ -51,24 +51,38 @@ def allocation_timeline(prof) -> list[tuple[int, int]]:
     return [(t, total - base) for t, total, _ in events]
 
 
-def backend_held_bytes(prof, t_ns: int) -> int:
-    """Bytes allocated inside a ``c10d::`` op of a CPU profile and still alive at ``t_ns``: a collective backend's
-    own copies (gloo's reduce-scatter clones its input). Gloo's worker thread frees a finished work's copy only
-    when it picks up its next work, so whether the copy is alive at a given moment is a matter of which worker ran
-    the last collective: not something either side of a comparison keeps."""
-    allocs = []
+def step_boundary_bytes(prof, t_ns: int) -> int:
+    """Bytes that a CPU profile's allocations keep alive at ``t_ns`` (allocated inside the profile, not freed before
+    ``t_ns``), less those a collective backend's worker may be the one keeping alive: allocations made inside a
+    ``c10d::`` op (the backend's own copies: gloo's reduce-scatter clones its input) and the outputs of all-gathers
+    and reduce-scatters (their first tensor argument, so ``prof`` needs ``record_shapes=True``). A gloo worker drops
+    a finished work, and with it these tensors, when it picks up its next work or gets the GIL, so whether one is
+    alive at a given moment depends on which worker ran the last collective and on scheduling: not something either
+    side of a comparison keeps. Meant for step boundaries, where a data-parallel runtime holds no collective's output
+    (unsharded params are resharded, gradients zeroed). Counted from the allocation events themselves, not the
+    allocator's running total (which the gloo workers' own frees move at moments the events do not order)."""
+    allocs, written = [], []
     for root in prof.profiler.kineto_results.experimental_event_tree():
         stack = [(root, False)]
         while stack:
             node, in_c10d = stack.pop()
             in_c10d = in_c10d or node.name.startswith("c10d::")
             stack.extend((child, in_c10d) for child in node.children)
-            if node.tag == torch._C._profiler._EventType.Allocation and node.start_time_ns < t_ns:
+            if node.start_time_ns >= t_ns:
+                continue
+            if node.tag == torch._C._profiler._EventType.Allocation:
                 allocs.append((node.start_time_ns, node.extra_fields.ptr, node.extra_fields.alloc_size, in_c10d))
-    live: dict[int, int] = {}
-    for _, ptr, size, in_c10d in sorted(allocs):
-        if size > 0 and in_c10d:
-            live[ptr] = size
+            elif node.name.startswith("c10d::") and ("allgather" in node.name or "reduce_scatter" in node.name):
+                out = next((i for i in node.extra_fields.inputs if hasattr(i, "storage_data_ptr")), None)
+                if out is not None:
+                    written.append((node.start_time_ns, out.storage_data_ptr))
+    live: dict[int, tuple[int, int, bool]] = {}  # ptr -> (allocated at, size, made inside a c10d op)
+    for ts, ptr, size, in_c10d in sorted(allocs):
+        if size > 0:
+            live[ptr] = (ts, size, in_c10d)
         elif size < 0:
             live.pop(ptr, None)
-    return sum(live.values())
+    last_write = {}
+    for ts, ptr in written:
+        last_write[ptr] = max(ts, last_write.get(ptr, ts))
+    return sum(size for ptr, (ts, size, c10d) in live.items() if not (c10d or last_write.get(ptr, -1) >= ts))

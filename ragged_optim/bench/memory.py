@@ -20,7 +20,7 @@ import torch.distributed as dist
 from ragged_optim.bench.common import rank_device
 from ragged_optim.comm.launch import run_on_ranks
 from ragged_optim.data import get_batch
-from ragged_optim.memory import allocation_timeline, backend_held_bytes, peak_bytes
+from ragged_optim.memory import allocation_timeline, peak_bytes, step_boundary_bytes
 from ragged_optim.models import GPT, build_model, get_config, num_params
 from ragged_optim.sharding import init_weights, units_of
 from ragged_optim.train import shard_model
@@ -75,13 +75,14 @@ def _train_and_measure_cuda(cfg, kind, side, batches, device) -> dict:
 
 def _train_and_measure(cfg, kind, side, batches, device="cpu") -> dict:
     """Bytes allocated at the peak of step 2, counted from before the model was built, and the level before it
-    (less the collective backend's own copies still alive then: :func:`ragged_optim.memory.backend_held_bytes`)."""
+    (what is alive then, less what a collective backend's worker may still hold:
+    :func:`ragged_optim.memory.step_boundary_bytes`)."""
     from torch.profiler import ProfilerActivity, profile
 
     if torch.device(device).type == "cuda":
         return _train_and_measure_cuda(cfg, kind, side, batches, device)
     gc.collect()  # garbage of an earlier measurement freed inside this trace would read as negative bytes
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True) as prof:
         model, opts = _build(cfg, kind, side, "cpu")
         _step(model, opts, *batches[0])
         with torch.profiler.record_function(_MARK):
@@ -89,8 +90,7 @@ def _train_and_measure(cfg, kind, side, batches, device="cpu") -> dict:
     events = allocation_timeline(prof)
     lo, hi = _window(prof, _MARK)
     inside = [t for ts, t in events if lo <= ts <= hi]
-    before = [t for ts, t in events if ts < lo]
-    level = (before[-1] if before else 0) - backend_held_bytes(prof, lo)
+    level = step_boundary_bytes(prof, lo)
     del model, opts
     gc.collect()
     return {"peak": max(inside + [level]), "level_before_step2": level}
