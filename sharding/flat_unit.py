@@ -144,12 +144,15 @@ class FlatUnit:
     def _alloc_unsharded(self):
         """Storage for the unsharded buffer (re-allocated in place after a reshard, so the params stay views)."""
         if not self.unsharded_params:
-            self.unsharded = torch.empty(self.layout.total_size, dtype=self.param_dtype, device=self.device)
+            # never an inference tensor, even when the first forward runs under torch.inference_mode(): the buffer
+            # lives on, and training forwards save views of it for backward
+            with torch.inference_mode(False):
+                self.unsharded = torch.empty(self.layout.total_size, dtype=self.param_dtype, device=self.device)
+                self.unsharded_params = [
+                    nn.Parameter(self._full_slice(self.unsharded, i), requires_grad=rg)
+                    for i, rg in enumerate(self.requires_grad)
+                ]
             self._storage_nbytes = self.unsharded.untyped_storage().nbytes()
-            self.unsharded_params = [
-                nn.Parameter(self._full_slice(self.unsharded, i), requires_grad=rg)
-                for i, rg in enumerate(self.requires_grad)
-            ]
         elif self.unsharded.untyped_storage().size() == 0:
             self.unsharded.untyped_storage().resize_(self._storage_nbytes)
 
@@ -265,8 +268,9 @@ class FlatUnit:
                     "after fully_shard, and training would ignore the new tensor. Change params in place "
                     "(p.copy_(...)) or before fully_shard"
                 )
+            ours = (sp, self.unsharded_params[i]) if self.unsharded_params else (sp,)  # (after module.unshard())
             for mod, attr in self.refs[i]:
-                if mod._parameters.get(attr) is not sp:  # a new Parameter assigned: the next unshard would drop it
+                if not any(mod._parameters.get(attr) is q for q in ours):  # a new Parameter: unshard would drop it
                     raise RuntimeError(
                         f"param {self._label(i)} was replaced after fully_shard ({type(mod).__name__}.{attr} is a "
                         "new object), and training would silently overwrite it. Copy new values in place "

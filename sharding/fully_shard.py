@@ -7,6 +7,8 @@ frozen ones get no gradient buffer and no reduce-scatter). The hooks and the ite
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -19,6 +21,9 @@ from ragged_optim.sharding.sharded_param import shard_info
 from ragged_optim.sharding.state_dict import register_state_dict_hooks
 
 _STATE_ATTR = "_ragged_state"
+#: set on each param a unit replaced (its name); the optimizers read it too (optim/nonfinite.py)
+REPLACED_ATTR = "_ragged_replaced_by"
+_REPLACED_IN_ATTR = "_ragged_replaced_in"  # a weakref to the module whose fully_shard replaced it
 
 
 def state_of(module: nn.Module) -> ModuleState | None:
@@ -42,10 +47,18 @@ class RaggedFSDPModule:
             if (state := state_of(m)) is not None:
                 state.reshard_after_forward = reshard_after_forward
 
-    def unshard(self) -> None:
-        for unit in state_of(self).units:
-            unit.wait_unshard()
-            unit.set_unsharded_attrs()
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """Gather this module's own units now (not those of inner ``fully_shard`` calls), as FSDP2's: the module's
+        params are the full tensors until ``reshard()`` or the next forward's end reshards them. ``async_op``:
+        return a handle whose ``wait()`` finishes the gather (the all-gathers are in flight meanwhile)."""
+        units = state_of(self).units
+        for unit in units:
+            unit.start_unshard()
+        handle = UnshardHandle(units)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
 
     def reshard(self) -> None:
         for unit in state_of(self).units:
@@ -73,6 +86,20 @@ class RaggedFSDPModule:
             for unit in own:
                 unit.apply_to_shard(fn)
         return out
+
+
+class UnshardHandle:
+    """What ``unshard(async_op=True)`` returns: ``wait()`` completes the all-gathers and puts the full params on
+    the module (as FSDP2's handle does)."""
+
+    def __init__(self, units: list[FlatUnit]) -> None:
+        self._units = units
+
+    def wait(self) -> None:
+        for unit in self._units:
+            unit.wait_unshard()
+            unit.set_unsharded_attrs()
+        self._units = []
 
 
 _CLASS_CACHE: dict[type, type] = {}
@@ -196,6 +223,18 @@ def _collect_params(module: nn.Module):
             if id(p) in seen:
                 refs[seen[id(p)]].append((mod, attr))
                 continue
+            if (owner := getattr(p, REPLACED_ATTR, None)) is not None:  # tied to a param an inner unit sharded
+                name = f"{mod_name}.{attr}" if mod_name else attr
+                holder = getattr(p, _REPLACED_IN_ATTR, lambda: None)()
+                where = next((n for n, m in module.named_modules() if m is holder and n), None)
+                owner = f"{where}.{owner}" if where else owner
+                raise ValueError(
+                    f"fully_shard: param {name!r} of this {type(module).__name__} is the same tensor as {owner!r}, "
+                    "which an earlier fully_shard call already sharded into its own unit: tied (shared) weights "
+                    "must be in one unit, or training would untie them. Don't call fully_shard on a module that "
+                    "holds only one side of a tie (e.g. the LM head tied to the embedding): leave both to the "
+                    "enclosing call (fully_shard(model))"
+                )
             seen[id(p)] = len(params)
             params.append(p)
             names.append(f"{mod_name}.{attr}" if mod_name else attr)
@@ -285,7 +324,8 @@ def fully_shard(
         for idx in split
     ]
     for p, n in zip(params, names):  # an optimizer built on these old params can then say what happened
-        p._ragged_replaced_by = n
+        setattr(p, REPLACED_ATTR, n)
+        setattr(p, _REPLACED_IN_ATTR, weakref.ref(module))
     if block_policy is not None:
         for unit, idx in zip(units, split):
             specs = {k: spec for k, i in enumerate(idx) if (spec := block_policy(names[i], params[i])) is not None}

@@ -117,6 +117,11 @@ def test_wrong_type_hyperparameters_name_the_argument(cls, kw, match):
         cls([torch.zeros(4, 4, requires_grad=True)], **kw)
 
 
+def test_a_bool_is_not_a_step_count():
+    with pytest.raises(ValueError, match=r"start_preconditioning_step must be an int .*got True"):
+        Shampoo([torch.zeros(4, 4, requires_grad=True)], start_preconditioning_step=True)
+
+
 def test_wrong_types_in_param_groups():
     w = torch.zeros(4, 4, requires_grad=True)
     with pytest.raises(TypeError, match=r"use_muon must be True, False or None.*'false'"):

@@ -52,7 +52,6 @@ from ragged_optim.optim.blocks import local_range
 from ragged_optim.optim.muon import adamw_group_update_
 from ragged_optim.optim.optimizer import RaggedOptimizer, check_int, check_real, check_reals
 from ragged_optim.sharding import BlockSpec, shard_info
-from ragged_optim.sharding.state_dict import optimizer_state_from_dcp
 
 __all__ = ["AdamW8bit", "DEFAULT_QMAPS", "STATE_KEYS_8BIT"]
 
@@ -304,10 +303,9 @@ class AdamW8bit(RaggedOptimizer):
                     "load a state dict saved at the same world size, layout, block_size and qmaps"
                 )
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def _load_checked_state_dict(self, state_dict: dict[str, Any]) -> None:
         # torch.optim.Optimizer casts every state tensor to its param's dtype (uint8 codes would become fp32):
         # load the 8-bit entries ourselves, keeping their dtype.
-        state_dict = optimizer_state_from_dcp(self, self._dtypes_back(state_dict))
         self._check_state_dict(state_dict)
         plain = dict(state_dict)
         plain["state"], codes = {}, {}
@@ -520,6 +518,9 @@ class AdamW8bit(RaggedOptimizer):
             if lp is not None:
                 lp.copy_(pv.view(lp.shape))
 
+    # torch.compile(opt.step) runs it eagerly: dynamo fails inside it (on the 8-bit kernels' views, the block
+    # API's closures), and its work is already in fused kernels or whole-matrix ops
+    @torch._disable_dynamo
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
         """One optimizer step; ``closure`` (optional) re-evaluates the model and returns the loss."""

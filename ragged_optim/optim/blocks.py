@@ -240,11 +240,20 @@ class BlockOptimizer(torch.optim.Optimizer):
     with the same params, before the first step); from the first step on the layouts are locked. Element-wise math
     runs on :func:`local` tensors as usual."""
 
+    #: Instance attributes that are settings, not caches: ``pickle`` and ``copy.deepcopy`` keep them (torch's
+    #: ``Optimizer.__getstate__`` keeps only defaults, state and param_groups). Subclasses add theirs.
+    _settings_attrs: tuple[str, ...] = ("_block_allow_split",)
+
     def __init__(self, params, defaults: dict[str, Any], *, allow_split: bool = True) -> None:
         super().__init__(params, defaults)
         self._block_allow_split = allow_split
         self.declare_param_blocks()
         self.register_step_pre_hook(lambda opt, args, kwargs: opt._lock_block_layouts())
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state.update({k: self.__dict__[k] for k in self._settings_attrs if k in self.__dict__})
+        return state
 
     def block_spec(self, p: Tensor, group: dict[str, Any]) -> BlockSpec | None:
         """The blocks ``p`` (in ``group``) is computed on; None (the default) for an element-wise param. Use the

@@ -139,6 +139,12 @@ def adamw_update_(
     p.addcdiv_(exp_avg, denom, value=-step_size)
 
 
+def _foreach_rounds_scalars(device: torch.device, dtype: torch.dtype) -> bool:
+    """True where torch's foreach ops round a Python scalar to the tensors' dtype before using it (CPU, bf16/fp16:
+    ``torch._foreach_mul_([t], 0.95)`` != ``t.mul_(0.95)``), so they cannot stand in for the single-tensor ops."""
+    return device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
+
+
 def adamw_foreach_update_(
     params: list[Tensor],
     grads: list[Tensor],
@@ -156,7 +162,9 @@ def adamw_foreach_update_(
     Every element goes through the same fp32 operations as :func:`adamw_update_` (torch.optim.AdamW's
     single-tensor path): lerp, mul + addcmul, sqrt, divide by ``sqrt(1 - beta2**step)``, add eps, addcdiv with
     ``-lr / (1 - beta1**step)``; the results are bitwise equal (tests/test_muon_plain.py, test_adamw8bit.py). The
-    per-param bias corrections read ``step``, a CPU scalar tensor as in torch: no device sync."""
+    per-param bias corrections read ``step``, a CPU scalar tensor as in torch: no device sync. bf16 and fp16 params
+    on a CPU go one by one: there torch's foreach ops round a scalar to the tensor's dtype first (``eps``,
+    ``beta2``), where the single-tensor ops compute with it in fp32."""
     buckets: dict[tuple, list[int]] = {}
     for k, (p, state) in enumerate(zip(params, states)):
         if "step" not in state:
@@ -164,7 +172,12 @@ def adamw_foreach_update_(
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         buckets.setdefault((p.device, p.dtype, grads[k].dtype), []).append(k)
-    for idx in buckets.values():
+    kw = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+    for (device, dtype, _), idx in buckets.items():
+        if _foreach_rounds_scalars(device, dtype):
+            for k in idx:
+                adamw_update_(params[k], grads[k], states[k], **kw)
+            continue
         ps = [params[k] for k in idx]
         gs = [grads[k] for k in idx]
         steps = [states[k]["step"] for k in idx]
@@ -251,6 +264,8 @@ class Muon(RaggedOptimizer):
     #: which keeps every Muon param's update alive until the batch is done (False: one at a time, except for params
     #: whose matrices a rank boundary cuts, which are exchanged together).
     ns_batched_matmul: bool = False
+    _settings_attrs = (*RaggedOptimizer._settings_attrs, "wire_dtype", "ns_matmul", "foreach", "ns_batched_matmul")
+    _settings_attrs += ("_split_by_shape",)
 
     def __init__(
         self,
@@ -314,7 +329,8 @@ class Muon(RaggedOptimizer):
     # ------------------------------------------------------------------ groups
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group; a group without ``use_muon`` is split by ``ndim`` into a Muon and an AdamW group."""
+        """Add a group; a group without ``use_muon`` is split by ``ndim`` into a Muon and an AdamW group (an empty
+        matrix goes to the AdamW one). A group refused (either half) leaves the optimizer as it was."""
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, but got {type(param_group)}")
         entries = param_group["params"]
@@ -328,17 +344,28 @@ class Muon(RaggedOptimizer):
         if use_muon is not None and not isinstance(use_muon, bool):  # bool("false") is True
             raise TypeError(f"use_muon must be True, False or None (split by shape), got {use_muon!r}")
         if use_muon is None:
-            self._split_by_shape = True
-            tensor = lambda e: e[1] if isinstance(e, tuple) else e
-            is_matrix = lambda e: isinstance(tensor(e), Tensor) and len(full_shape(tensor(e))) >= 2
-            matrices = [e for e in entries if is_matrix(e)]
-            others = [e for e in entries if not is_matrix(e)]
-            if matrices:
-                self._add_group(param_group, matrices, use_muon=True, split=True)
-            if others or not matrices:
-                self._add_group(param_group, others, use_muon=False, split=True)
+            n_groups, split_before = len(self.param_groups), self._split_by_shape
+            try:
+                self._add_split_group(param_group, entries)
+            except Exception:
+                del self.param_groups[n_groups:]
+                self._split_by_shape = split_before
+                raise
         else:
             self._add_group(param_group, entries, use_muon=use_muon, split=False)
+
+    def _add_split_group(self, param_group: dict[str, Any], entries: list) -> None:
+        self._split_by_shape = True
+        tensor = lambda e: e[1] if isinstance(e, tuple) else e
+        # an empty matrix has nothing to orthogonalize: it goes to the AdamW half (where its step does nothing)
+        shape = lambda e: full_shape(tensor(e))
+        is_matrix = lambda e: isinstance(tensor(e), Tensor) and len(shape(e)) >= 2 and 0 not in shape(e)
+        matrices = [e for e in entries if is_matrix(e)]
+        others = [e for e in entries if not is_matrix(e)]
+        if matrices:
+            self._add_group(param_group, matrices, use_muon=True, split=True)
+        if others or not matrices:
+            self._add_group(param_group, others, use_muon=False, split=True)
 
     def _add_group(self, user: dict[str, Any], entries: list, *, use_muon: bool, split: bool) -> None:
         d = self.defaults
@@ -413,7 +440,7 @@ class Muon(RaggedOptimizer):
                     "params only: optimize complex params with torch.optim.AdamW, or view them as real "
                     "(torch.view_as_real) in the model."
                 )
-            if p.numel() == 0 and len(full_shape(p)) and 0 in full_shape(p):
+            if group["use_muon"] and 0 in full_shape(p):
                 raise ValueError(
                     f"{self._param_label(gi, i)} has no elements; Muon cannot orthogonalize an empty matrix. "
                     "Leave it out of the optimizer (it has nothing to learn) or give it use_muon=False"
@@ -545,6 +572,8 @@ class Muon(RaggedOptimizer):
             if not params:  # (foreach ops refuse empty lists)
                 continue
             if not group["use_muon"]:
+                if "momentum" in group:  # set by a scheduler that cycles momentum (OneCycleLR, CyclicLR): beta1
+                    group["betas"] = (group["momentum"], group["betas"][1])
                 adamw_group_update_(params, grads, [self.state[p] for p in params], group, self.foreach is not False)
                 continue
             lr = self._group_lr(group)
@@ -580,7 +609,12 @@ class Muon(RaggedOptimizer):
         torch._foreach_lerp_(bufs, grads, 1 - momentum)
         wd = group["weight_decay"]
         if wd != 0:
-            torch._foreach_mul_([local(p) for p in params], 1 - lr * wd)
+            ps = [local(p) for p in params]
+            if any(_foreach_rounds_scalars(p.device, p.dtype) for p in ps):
+                for p in ps:
+                    _decay_(p, 1 - lr * wd)
+            else:
+                torch._foreach_mul_(ps, 1 - lr * wd)
         for grad, buf in zip(grads, bufs):
             yield grad.lerp(buf, momentum) if group["nesterov"] else buf
 

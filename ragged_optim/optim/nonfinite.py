@@ -48,6 +48,7 @@ from torch import Tensor
 
 from ragged_optim.optim.base import full_shape, is_dtensor, local
 from ragged_optim.sharding import shard_info
+from ragged_optim.sharding.fully_shard import REPLACED_ATTR
 
 __all__ = [
     "NONFINITE_POLICIES",
@@ -59,8 +60,6 @@ __all__ = [
 ]
 
 NONFINITE_POLICIES = ("skip", "raise", "off")
-#: Set by ``fully_shard`` on each param it replaces (the value is the param's name in the sharded module).
-REPLACED_ATTR = "_ragged_replaced_by"
 _CHECKED = "_ragged_guard_checked"
 
 

@@ -69,6 +69,9 @@ class RaggedOptimizer(BlockOptimizer):
     ragged-sharded and FSDP2 params) with our optimizers' shared checks. Subclasses start ``step`` with
     ``loss, skip = self._begin_step(closure)``."""
 
+    #: the non-finite policy and the count of skipped steps are settings a copy keeps
+    _settings_attrs = (*BlockOptimizer._settings_attrs, "nonfinite", "found_nonfinite")
+
     def _begin_step(self, closure) -> tuple[object, bool]:
         """Run the closure; from now on the sharded layouts shape this optimizer's state, so lock them; check the
         grads (``guard_step``: non-finite grads skip the step on every rank, by default). Returns (loss, skip)."""
@@ -114,8 +117,10 @@ class RaggedOptimizer(BlockOptimizer):
         """Check (and normalize in place) a group's hyperparameters; subclasses raise TypeError/ValueError."""
 
     def _group_keys(self, group: dict[str, Any]) -> Iterable[str]:
-        """The hyperparameter keys ``step`` reads from ``group`` (a saved group, in load_state_dict)."""
-        return self.defaults.keys()
+        """The hyperparameter keys ``step`` reads from ``group`` (a saved group, in load_state_dict): the
+        constructor's defaults, less the key torch's ``__setstate__`` (run by every load, and by unpickling) adds
+        to them, which saved groups never hold."""
+        return [k for k in self.defaults if k != "differentiable"]
 
     def _state_keys(self, group: dict[str, Any], p: torch.Tensor) -> Iterable[str]:
         """The keys ``step`` reads from the non-empty state of ``p`` in ``group``."""
@@ -181,10 +186,28 @@ class RaggedOptimizer(BlockOptimizer):
     def load_state_dict(self, state_dict) -> None:
         """torch's loader checks only group sizes; first make sure the state was saved for these params and by
         this optimizer class (:meth:`_check_state_dict`), so that a failed load changes nothing. State of ragged params
-        given as full tensors or (Ragged)DTensors (torch's set_optimizer_state_dict, DCP) becomes local pieces first."""
-        state_dict = optimizer_state_from_dcp(self, self._dtypes_back(state_dict))
+        given as full tensors or (Ragged)DTensors (torch's set_optimizer_state_dict, DCP) becomes local pieces first.
+        The ``register_load_state_dict_pre_hook`` hooks run first, as in torch (a hook may fix up an old state dict
+        before it is checked); the post-hooks once everything is loaded."""
+        state_dict = state_dict.copy() if isinstance(state_dict, dict) else state_dict  # (torch's shallow copy)
+        for hook in list(self._optimizer_load_state_dict_pre_hooks.values()):
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        # torch's loader would run the hooks again (and the post-hooks before a subclass has loaded all its state)
+        pre, post = self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks
+        self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks = {}, {}
+        try:
+            self._load_checked_state_dict(optimizer_state_from_dcp(self, self._dtypes_back(state_dict)))
+        finally:
+            self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks = pre, post
+        for hook in list(post.values()):
+            hook(self)
+
+    def _load_checked_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Check ``state_dict`` (its hooks run, its state as local pieces), then load it with torch's loader."""
         self._check_state_dict(state_dict)
-        super().load_state_dict(state_dict)
+        torch.optim.Optimizer.load_state_dict(self, state_dict)
 
 
 def _as_dtype(v):

@@ -69,7 +69,8 @@ def muon_param_groups(
 
     A param goes to **AdamW** when any of these holds, and to **Muon** otherwise:
 
-    1. it has fewer than 2 dims (biases, LayerNorm/RMSNorm gains, scalars);
+    1. it has fewer than 2 dims (biases, LayerNorm/RMSNorm gains, scalars), or no elements (nothing to
+       orthogonalize: AdamW's step does nothing to it);
     2. it is the weight of an ``nn.Embedding`` or ``nn.EmbeddingBag``;
     3. it is the weight of an output head, i.e. an ``nn.Linear`` that
 
@@ -118,7 +119,8 @@ def muon_param_groups(
     adamw: list[Tensor] = []
     for _, p in model.named_parameters():
         pid = id(p)
-        if len(full_shape(p)) < 2 or pid in embedding_weights or pid in head_weights or pid in excluded:
+        shape = full_shape(p)
+        if len(shape) < 2 or 0 in shape or pid in embedding_weights or pid in head_weights or pid in excluded:
             adamw.append(p)
         else:
             muon.append(p)

@@ -263,7 +263,7 @@ class Shampoo(BandPreconditionerChecks, RaggedOptimizer):
         if g["start_preconditioning_step"] is None:
             g["start_preconditioning_step"] = f
         s = g["start_preconditioning_step"]
-        if not isinstance(s, int) or s < f:
+        if not isinstance(s, int) or isinstance(s, bool) or s < f:  # (True is an int)
             raise ValueError(
                 f"start_preconditioning_step must be an int >= precondition_frequency ({f}) so that the roots "
                 f"exist when first used, got {s!r}"
@@ -353,6 +353,9 @@ class Shampoo(BandPreconditionerChecks, RaggedOptimizer):
             out_dtype=torch.float32,  # a param computed as one band keeps its band's result: no zero-filled copy
         )
 
+    # torch.compile(opt.step) runs it eagerly: dynamo fails inside it (on the 8-bit kernels' views, the block
+    # API's closures), and its work is already in fused kernels or whole-matrix ops
+    @torch._disable_dynamo
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
         """One optimizer step; ``closure`` (optional) re-evaluates the model and returns the loss."""

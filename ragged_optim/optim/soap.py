@@ -379,6 +379,9 @@ class SOAP(BandPreconditionerChecks, RaggedOptimizer):
                 out[k] = r
         return out  # type: ignore[return-value]
 
+    # torch.compile(opt.step) runs it eagerly: dynamo fails inside it (on the 8-bit kernels' views, the block
+    # API's closures), and its work is already in fused kernels or whole-matrix ops
+    @torch._disable_dynamo
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
         """One optimizer step; ``closure`` (optional) re-evaluates the model and returns the loss."""

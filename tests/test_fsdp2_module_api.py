@@ -1,0 +1,128 @@
+"""FSDP2's module-level API and entry points on ragged units, with torch FSDP2 doing the same in the same ranks:
+``unshard()`` / ``unshard(async_op=True)`` before a forward, a first forward under ``torch.inference_mode()``, and
+weights tied across two ``fully_shard`` calls (refused, as FSDP2 refuses them; before, ours silently untied them).
+
+One run of 2 gloo ranks computes every case (a module-scoped fixture)."""
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+from ragged_optim.comm.launch import run_on_ranks
+from ragged_optim.sharding import full_grad, full_tensor, fully_shard
+
+WORLD = 2
+SHARDERS = {"fsdp2": torch_fully_shard, "ours": fully_shard}
+
+
+def _model(shard):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+    shard(m[0])
+    shard(m)
+    return m
+
+
+def _x():
+    return torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
+
+
+def _loss_and_grads(m):
+    loss = m(_x()).square().sum()
+    loss.backward()
+    return loss.item(), [full_grad(p) for p in m.parameters()]
+
+
+class _Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(7, 4)
+        self.head = nn.Linear(4, 7, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx):
+        return self.head(self.emb(idx))
+
+
+def _err(fn):
+    try:
+        fn()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _on_ranks(rank, world_size):
+    out = {}
+    for name, shard in SHARDERS.items():
+        out[name, "plain"] = _loss_and_grads(_model(shard))
+        m = _model(shard)
+        m.unshard()
+        out[name, "unshard_shape"] = tuple(m[2].weight.shape)  # the full param is on the module now
+        out[name, "unshard"] = _loss_and_grads(m)
+        m = _model(shard)
+        m[0].unshard()  # an inner unit alone
+        out[name, "inner_unshard"] = _loss_and_grads(m)
+        m = _model(shard)
+        handle = m.unshard(async_op=True)
+        out[name, "async_handle"] = handle is not None
+        handle.wait()
+        out[name, "async_unshard"] = _loss_and_grads(m)
+        m = _model(shard)
+        with torch.inference_mode():  # the first forward of the model (e.g. generate before training)
+            out[name, "inference_first"] = m(_x()).tolist()
+        if name == "ours":  # FSDP2 refuses to train after this ("Inplace update to inference tensor ...")
+            out[name, "train_after_inference"] = _loss_and_grads(m)
+        tied = _Tied()
+        shard(tied.head)  # one side of the tie in a unit of its own
+        out[name, "tied_two_units"] = _err(lambda t=tied, s=shard: s(t)) or _err(lambda t=tied: t(torch.tensor([[1]])))
+        out[name, "tied_root_has_no_state"] = not hasattr(tied, "_ragged_state")
+    tied = _Tied()
+    fully_shard(tied)  # both sides in one unit: fine
+    out["ours", "tied_one_unit_params"] = len(list(tied.parameters()))
+    out["ours", "full_emb"] = full_tensor(tied.emb.weight).shape
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return run_on_ranks(_on_ranks, WORLD)
+
+
+def _equal(a, b):
+    (la, ga), (lb, gb) = a, b
+    return la == lb and all(torch.equal(x, y) for x, y in zip(ga, gb))
+
+
+@pytest.mark.parametrize("case", ["unshard", "inner_unshard", "async_unshard"])
+def test_unshard_before_forward_trains_as_fsdp2(ranks, case):
+    """Before: ``RuntimeError: param '2.weight' ... was replaced after fully_shard`` (the unsharded param that
+    unshard() put on the module was taken for a user's new Parameter); ``async_op`` was an unexpected keyword."""
+    for r in ranks:
+        assert _equal(r["ours", case], r["ours", "plain"])
+        # FSDP2 reduces in its own order: its grads are within float noise of ours, the loss is the same forward
+        assert r["ours", case][0] == r["fsdp2", case][0]
+        for a, b in zip(r["ours", case][1], r["fsdp2", case][1]):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert all(r["ours", "unshard_shape"] == r["fsdp2", "unshard_shape"] == (3, 5) for r in ranks)
+    assert all(r["ours", "async_handle"] and r["fsdp2", "async_handle"] for r in ranks)
+
+
+def test_first_forward_under_inference_mode(ranks):
+    """Before: ``RuntimeError: Inference tensors do not track version counter`` (the gathered buffer was made
+    inside inference mode)."""
+    for r in ranks:
+        assert r["ours", "inference_first"] == r["fsdp2", "inference_first"]
+        assert _equal(r["ours", "train_after_inference"], r["ours", "plain"])
+
+
+def test_weights_tied_across_two_units_are_refused(ranks):
+    """Before: no error; the embedding and the head became two params and trained apart (FSDP2 raises)."""
+    for r in ranks:
+        assert r["fsdp2", "tied_two_units"].startswith("ValueError")
+        err = r["ours", "tied_two_units"]
+        assert err.startswith("ValueError: fully_shard: param 'emb.weight'") and "'head.weight'" in err
+        assert "tied (shared) weights must be in one unit" in err
+        assert r["ours", "tied_root_has_no_state"]
+        assert r["ours", "tied_one_unit_params"] == 1
