@@ -246,7 +246,7 @@ def test_complex_param_is_refused():
 def test_empty_param_is_refused_by_muon_and_shampoo():
     e = nn.Parameter(torch.zeros(0, 5))
     with pytest.raises(ValueError, match=r"with shape \(0, 5\) has no elements.*Leave it out"):
-        Muon([e])
+        Muon([{"params": [e], "use_muon": True}])  # (split by shape, it takes the AdamW path, as torch.optim.Muon)
     with pytest.raises(ValueError, match=r"with shape \(0, 5\) has no elements.*Leave it out"):
         Shampoo([e])
 

@@ -319,9 +319,9 @@ class Muon(RaggedOptimizer):
         if self._split_by_shape and not any(g["params"] for g in self.param_groups if g["use_muon"]):
             n = sum(len(g["params"]) for g in self.param_groups)
             warnings.warn(
-                f"Muon got no matrix params: all {n} params have fewer than 2 dims and take its AdamW path. "
-                "Pass the model's hidden weight matrices (ragged_optim.muon_param_groups(model) routes a whole "
-                "model), or use torch.optim.AdamW for these params.",
+                f"Muon got no matrix params: all {n} params have fewer than 2 dims (or no elements) and take its "
+                "AdamW path. Pass the model's hidden weight matrices (ragged_optim.muon_param_groups(model) routes "
+                "a whole model), or use torch.optim.AdamW for these params.",
                 UserWarning,
                 stacklevel=2,
             )
