@@ -29,20 +29,23 @@ def init_weights(model: nn.Module, init_fn=None) -> None:
     """Initialise every param of a sharded (and ``to_empty``-materialised) model in place.
 
     ``init_fn(module)``: the init of one module (default: its ``reset_parameters``); it sees the module's own params
-    full-shaped and may touch only those (e.g. transformers' ``model._init_weights``). A param tied to one that an
-    earlier module initialised keeps that value; the later module's init still runs (on a scratch tensor), so the
-    random stream advances as it does when the model is built normally and tied afterwards."""
+    full-shaped and may touch only those and the module's buffers (e.g. transformers' ``model._init_weights``, which
+    also fills a rotary embedding's ``inv_freq``). It runs on every module that has params or buffers of its own:
+    buffers are not sharded, and ``to_empty`` leaves them uninitialised too. Without ``init_fn``, a module with
+    buffers and no params is reset only when it has a ``reset_parameters``. A param tied to one that an earlier
+    module initialised keeps that value; the later module's init still runs (on a scratch tensor), so the random
+    stream advances as it does when the model is built normally and tied afterwards."""
     done: set[int] = set()
     for name, module in model.named_modules():
         own = [(attr, p) for attr, p in module._parameters.items() if p is not None]
+        buffers = [(attr, b) for attr, b in module._buffers.items() if b is not None]
         if not own:
+            if buffers and (init_fn is not None or hasattr(module, "reset_parameters")):
+                _check_not_meta(name, module, buffers)
+                (init_fn or (lambda m: m.reset_parameters()))(module)
             continue
         init = init_fn if init_fn is not None else _reset_parameters_of(module, name, own)
-        if any(p.is_meta for _, p in own):
-            raise RuntimeError(
-                f"init_weights: {name or type(module).__name__}.{own[0][0]} is on the meta device: call "
-                "model.to_empty(device=...) first, then init_weights(model)"
-            )
+        _check_not_meta(name, module, own)
         full = {attr: _full_scratch(p) for attr, p in own}
         for attr, t in full.items():
             module._parameters[attr] = t
@@ -62,6 +65,15 @@ def init_weights(model: nn.Module, init_fn=None) -> None:
                 p.copy_(src[lo:hi])
             else:
                 p.copy_(src.view_as(p))
+
+
+def _check_not_meta(name: str, module: nn.Module, tensors) -> None:
+    meta = next((attr for attr, t in tensors if t.is_meta), None)
+    if meta is not None:
+        raise RuntimeError(
+            f"init_weights: {name or type(module).__name__}.{meta} is on the meta device: call "
+            "model.to_empty(device=...) first, then init_weights(model)"
+        )
 
 
 def _reset_parameters_of(module: nn.Module, name: str, own):

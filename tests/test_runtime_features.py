@@ -41,6 +41,37 @@ def test_meta_device_init_equals_normal_build_and_holds_shards_plus_one_module()
     assert peak <= shards + largest_unit  # the bound in docs/runtime.md: this rank's shards plus one unit
 
 
+def _meta_init_llama(rank, world_size):
+    from fsdp_models import tiny_llama
+
+    from ragged_optim.sharding import load_full_state_dict
+
+    plain = tiny_llama()
+    with torch.device("meta"):
+        model = tiny_llama()
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    model.to_empty(device="cpu")
+    for b in model.buffers():
+        b.fill_(float("nan"))  # what to_empty leaves is arbitrary memory: make it visible
+    init_weights(model, init_fn=model._init_weights)
+    buffers = {n: torch.equal(b, dict(plain.named_buffers())[n]) for n, b in model.named_buffers()}
+    load_full_state_dict(model, plain.state_dict())
+    x = torch.arange(12).view(2, 6) % 96
+    with torch.no_grad():
+        return buffers, torch.equal(model(input_ids=x).logits, plain(input_ids=x).logits)
+
+
+def test_meta_init_with_transformers_init_fn_sets_buffers_of_modules_without_params():
+    """Before: init_weights skipped modules without params of their own, so a Llama's rotary embedding kept what
+    to_empty left in inv_freq (NaN here, arbitrary memory in practice) and the logits were wrong; its buffers are
+    not persistent, so loading a checkpoint did not repair them."""
+    for buffers, logits_equal in run_on_ranks(_meta_init_llama, 2):
+        assert buffers and all(buffers.values()), buffers
+        assert logits_equal
+
+
 def _unmaterialised(rank, world_size):
     with torch.device("meta"):
         model = Awkward()
