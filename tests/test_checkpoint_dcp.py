@@ -5,6 +5,7 @@ before this change: main's ``state_dict()`` held each rank's flat piece under th
 rank's piece as the whole tensor (wrong shapes, lost elements, wrong values after a reload) and a failed full
 load left a half-loaded model."""
 
+import copy
 import os
 
 import pytest
@@ -371,3 +372,91 @@ def test_tied_weights_roundtrip(tmp_path, w_load, sharded):
     got, tied = run_on_ranks(load_tied, w_load, path, sharded)[0]
     assert tied
     assert_same(got, want)
+
+
+# ----------------------------------------------------------------------------------------------- band optimizers
+
+
+def _band_opt(model, name):
+    from ragged_optim.optim import SOAP, Shampoo
+
+    return {"shampoo": Shampoo, "soap": SOAP}[name](model.parameters(), lr=0.01, max_preconditioner_dim=32)
+
+
+def _band_steps(model, opt, steps):
+    for step in steps:
+        _set_grads(model, step, default_grad)
+        opt.step()
+        opt.zero_grad()
+
+
+def _bands_held(opt) -> int:
+    return sum(len(s.get("bands", {})) for s in opt.state.values())
+
+
+def torch_full_path(rank, world, name):
+    model = ours(IssueNet())
+    opt = _band_opt(model, name)
+    _band_steps(model, opt, range(2))
+    msd, osd = get_state_dict(model, opt, options=FULL)
+    model2 = ours(IssueNet(seed=7))
+    opt2 = _band_opt(model2, name)
+    try:
+        set_state_dict(model2, opt2, model_state_dict=msd, optim_state_dict=osd, options=FULL)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("name", ["shampoo", "soap"])
+def test_band_state_through_torchs_full_state_dict_is_refused_on_every_rank(name):
+    """torch's full optimizer state dict holds the saving rank's bands only (each band lives on one rank). Before:
+    Shampoo loaded it and the other ranks went on with fresh preconditioners (a different loss at the next step);
+    SOAP refused it with "has band '0', but the param has 1 bands" (the keys had become strings)."""
+    for err in run_on_ranks(torch_full_path, 2, name):
+        assert err is not None and "string keys" in err and "holds the saving rank's bands only" in err
+        assert "ro.get_full_optimizer_state_dict" in err
+
+
+@pytest.mark.parametrize("name", ["shampoo", "soap"])
+def test_band_state_through_torchs_full_state_dict_on_a_plain_model(name):
+    """One process holds every band, so torch's full path is complete there. Before: SOAP refused the string band
+    keys torch's flattening makes."""
+    model = IssueNet()
+    opt = _band_opt(model, name)
+    _band_steps(model, opt, range(2))
+    msd, osd = copy.deepcopy(get_state_dict(model, opt, options=FULL))  # (as read back from a file: no aliasing)
+    model2 = IssueNet(seed=7)
+    opt2 = _band_opt(model2, name)
+    set_state_dict(model2, opt2, model_state_dict=msd, optim_state_dict=osd, options=FULL)
+    _band_steps(model, opt, range(2, 4))
+    _band_steps(model2, opt2, range(2, 4))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
+
+
+def full_bands_into_sharded(rank, world, name, full):
+    model = ours(IssueNet())
+    opt = _band_opt(model, name)
+    _band_steps(model, opt, range(1))  # (its own bands; the load replaces them)
+    opt.load_state_dict(full)
+    mats = [p for g in opt.param_groups for p in g["params"] if opt.block_spec(p, g) is not None]
+    held = (_bands_held(opt), sum(len(opt.blocks_computed_here(p)) for p in mats))
+    return held, full_model(model)
+
+
+def save_full_bands(rank, world, name):
+    model = ours(IssueNet())
+    opt = _band_opt(model, name)
+    _band_steps(model, opt, range(2))
+    from ragged_optim import get_full_optimizer_state_dict
+
+    return get_full_optimizer_state_dict(model, opt)
+
+
+@pytest.mark.parametrize("name", ["shampoo", "soap"])
+def test_a_full_band_state_dict_loads_each_band_on_the_rank_that_computes_it(name):
+    """ro.get_full_optimizer_state_dict (every band) loaded into a sharded optimizer at another world size: each
+    rank keeps the bands it computes. Before: every rank kept every saved band."""
+    full = run_on_ranks(save_full_bands, 2, name)[0]
+    for (held, computed), _ in run_on_ranks(full_bands_into_sharded, 3, name, full):
+        assert held == computed

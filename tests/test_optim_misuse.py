@@ -182,3 +182,16 @@ def test_muon_param_groups_exclude_takes_one_item_alone():
     for one in ("hidden", "hidden.weight", model.hidden, model.hidden.weight):
         (only,) = muon_param_groups(model, exclude=one)  # as if [one]: the Muon group is left empty
         assert only["use_muon"] is False and len(only["params"]) == 5
+
+
+@pytest.mark.parametrize("cls", [Shampoo, SOAP])
+def test_saved_state_missing_a_band_is_refused(cls):
+    """A state dict with some of a param's bands (one rank's part of a sharded run's) would have restarted the
+    others with fresh preconditioners."""
+    saved = copy.deepcopy(_stepped(cls, shape=(80, 64), max_preconditioner_dim=32).state_dict())
+    del saved["state"][0]["bands"][1]
+    opt = _stepped(cls, shape=(80, 64), seed=1, max_preconditioner_dim=32)
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match=r"lacks its band\(s\) \[1\], which this rank computes.*get_full_optimizer"):
+        opt.load_state_dict(saved)
+    assert _same(opt.state_dict(), before)

@@ -13,6 +13,7 @@ import torch
 from ragged_optim.optim.base import full_shape, is_dtensor, local, scalar
 from ragged_optim.optim.blocks import BlockOptimizer
 from ragged_optim.optim.nonfinite import guard_step
+from ragged_optim.sharding import shard_info
 from ragged_optim.sharding.state_dict import optimizer_state_from_dcp
 
 
@@ -210,6 +211,14 @@ class RaggedOptimizer(BlockOptimizer):
         torch.optim.Optimizer.load_state_dict(self, state_dict)
 
 
+def _is_distributed(p: torch.Tensor) -> bool:
+    """Whether ``p``'s blocks may be computed on other ranks (ragged-sharded or a DTensor, over more than one)."""
+    info = shard_info(p)
+    if info is not None:
+        return info.unit.world_size > 1
+    return is_dtensor(p) and p.device_mesh.size() > 1
+
+
 def _as_dtype(v):
     """ "torch.bfloat16" -> torch.bfloat16 (how state_dict stores dtype hyperparameters); anything else as is."""
     if isinstance(v, str) and v.startswith("torch."):
@@ -255,6 +264,54 @@ class BandPreconditionerChecks:
                     f"{self._param_label(gi, i)} has no elements; {name} has nothing to precondition. Leave it out "
                     "of the optimizer (it has nothing to learn)."
                 )
+
+    def _load_checked_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super()._load_checked_state_dict(self._bands_for_this_rank(state_dict))
+
+    def _bands_for_this_rank(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """The saved ``bands`` of each param narrowed to those this rank computes (each band's state lives on one
+        rank; a full state dict holds them all), keyed by int (torch's state-dict flattening makes the keys
+        strings). A param stepped before the save must have every band this rank computes: a state dict that holds
+        only some ranks' bands (torch's ``get_state_dict(..., full_state_dict=True)`` keeps rank 0's) is refused
+        rather than loaded with fresh preconditioners."""
+        saved, state = state_dict.get("param_groups"), state_dict.get("state")
+        if not (isinstance(saved, list) and isinstance(state, dict)):
+            return state_dict  # the checks say what is wrong
+        ids = [i for g in saved if isinstance(g, dict) for i in g.get("params", [])]
+        entries = [(gi, i, p) for gi, g in enumerate(self.param_groups) for i, p in enumerate(g["params"])]
+        if len(ids) != len(entries):
+            return state_dict
+        new_state = dict(state)
+        for key, (gi, i, p) in zip(ids, entries):
+            st = state.get(key)
+            if not isinstance(st, dict) or self.block_spec(p, self.param_groups[gi]) is None:
+                continue
+            bands = st.get("bands", {})
+            if not isinstance(bands, dict):
+                continue
+            cls = type(self).__name__
+            if any(isinstance(k, str) for k in bands) and _is_distributed(p):
+                raise ValueError(
+                    f"{cls}.load_state_dict: the saved bands of {self._param_label(gi, i)} have string keys: this "
+                    "state came through torch's set_state_dict(..., full_state_dict=True), which holds the saving "
+                    "rank's bands only (each band's state lives on one rank), so the other ranks would restart with "
+                    "fresh preconditioners. Save and load with DCP's sharded state dict (get_state_dict without "
+                    "full_state_dict, dcp.save / dcp.load), ro.save_checkpoint / ro.load_checkpoint, or "
+                    "ro.get_full_optimizer_state_dict(model, opt) and opt.load_state_dict"
+                )
+            bands = {int(k) if isinstance(k, str) and k.isdigit() else k: v for k, v in bands.items()}
+            here = set(self.blocks_computed_here(p))
+            missing = sorted(here - set(bands))
+            if missing and "step" in st:
+                raise ValueError(
+                    f"{cls}.load_state_dict: the saved state of {self._param_label(gi, i)} lacks its band(s) "
+                    f"{missing[:4]}, which this rank computes (it has {sorted(bands)[:4]}). Each band's state lives "
+                    "on one rank, and torch's get_state_dict(..., full_state_dict=True) keeps rank 0's only: save "
+                    "with ro.get_full_optimizer_state_dict(model, opt) (all bands), DCP's sharded state dict, or "
+                    "ro.save_checkpoint"
+                )
+            new_state[key] = {**st, "bands": {k: v for k, v in bands.items() if k in here or not isinstance(k, int)}}
+        return {**state_dict, "state": new_state}
 
     def _check_dtensor(self, gi: int, i: int, p: torch.Tensor) -> None:
         from torch.distributed.tensor import Shard
