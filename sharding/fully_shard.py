@@ -223,10 +223,11 @@ def _collect_params(module: nn.Module):
             if id(p) in seen:
                 refs[seen[id(p)]].append((mod, attr))
                 continue
-            if (owner := getattr(p, REPLACED_ATTR, None)) is not None:  # tied to a param an inner unit sharded
+            holder = getattr(p, _REPLACED_IN_ATTR, lambda: None)()
+            if holder is not None and id(holder) in inside:  # tied to a param an inner unit of this tree sharded
                 name = f"{mod_name}.{attr}" if mod_name else attr
-                holder = getattr(p, _REPLACED_IN_ATTR, lambda: None)()
                 where = next((n for n, m in module.named_modules() if m is holder and n), None)
+                owner = getattr(p, REPLACED_ATTR)
                 owner = f"{where}.{owner}" if where else owner
                 raise ValueError(
                     f"fully_shard: param {name!r} of this {type(module).__name__} is the same tensor as {owner!r}, "

@@ -78,6 +78,10 @@ def _on_ranks(rank, world_size):
         shard(tied.head)  # one side of the tie in a unit of its own
         out[name, "tied_two_units"] = _err(lambda t=tied, s=shard: s(t)) or _err(lambda t=tied: t(torch.tensor([[1]])))
         out[name, "tied_root_has_no_state"] = not hasattr(tied, "_ragged_state")
+        a, b = _Tied(), _Tied()
+        b.emb.weight = b.head.weight = a.emb.weight  # one tensor in two models (e.g. a shared frozen embedding)
+        shard(a)
+        out[name, "shared_by_two_models"] = _err(lambda a=a, b=b, s=shard: s(b) and b(torch.tensor([[1]])))
     tied = _Tied()
     fully_shard(tied)  # both sides in one unit: fine
     out["ours", "tied_one_unit_params"] = len(list(tied.parameters()))
@@ -125,4 +129,6 @@ def test_weights_tied_across_two_units_are_refused(ranks):
         assert err.startswith("ValueError: fully_shard: param 'emb.weight'") and "'head.weight'" in err
         assert "tied (shared) weights must be in one unit" in err
         assert r["ours", "tied_root_has_no_state"]
+        # a tensor shared by two separately sharded models is not a tie inside one tree: both accept it
+        assert r["ours", "shared_by_two_models"] is None and r["fsdp2", "shared_by_two_models"] is None
         assert r["ours", "tied_one_unit_params"] == 1

@@ -518,8 +518,8 @@ class AdamW8bit(RaggedOptimizer):
             if lp is not None:
                 lp.copy_(pv.view(lp.shape))
 
-    # torch.compile(opt.step) runs it eagerly: dynamo fails inside it (on the 8-bit kernels' views, the block
-    # API's closures), and its work is already in fused kernels or whole-matrix ops
+    # torch.compile(opt.step) runs it eagerly: dynamo fails inside it (on the 8-bit kernels' views)
+    # and the step is fused kernels already
     @torch._disable_dynamo
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]

@@ -353,8 +353,8 @@ class Shampoo(BandPreconditionerChecks, RaggedOptimizer):
             out_dtype=torch.float32,  # a param computed as one band keeps its band's result: no zero-filled copy
         )
 
-    # torch.compile(opt.step) runs it eagerly: dynamo fails inside it (on the 8-bit kernels' views, the block
-    # API's closures), and its work is already in fused kernels or whole-matrix ops
+    # torch.compile(opt.step) runs it eagerly: dynamo fails inside it (on the block API's closures)
+    # and the step is whole-matrix ops
     @torch._disable_dynamo
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]

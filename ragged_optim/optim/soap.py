@@ -379,8 +379,8 @@ class SOAP(BandPreconditionerChecks, RaggedOptimizer):
                 out[k] = r
         return out  # type: ignore[return-value]
 
-    # torch.compile(opt.step) runs it eagerly: dynamo fails inside it (on the 8-bit kernels' views, the block
-    # API's closures), and its work is already in fused kernels or whole-matrix ops
+    # torch.compile(opt.step) runs it eagerly: dynamo fails inside it (on the block API's closures)
+    # and the step is whole-matrix ops
     @torch._disable_dynamo
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
