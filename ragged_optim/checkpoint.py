@@ -145,7 +145,9 @@ def _reader(path: str):
             try:
                 return super().read_data(plan, planner)
             except Exception as e:
-                where = os.path.join(path, getattr(self, "_reading", "?"))
+                # a file that failed to open names itself (_slice_file names only files that opened)
+                failed = e.filename if isinstance(e, OSError) and e.filename else None
+                where = os.fspath(failed) if failed else os.path.join(path, getattr(self, "_reading", "?"))
                 cause = str(e) or ("the file ends early: truncated?" if isinstance(e, EOFError) else "no message")
                 raise CheckpointError(f"file {where!r} could not be read ({type(e).__name__}: {cause})") from e
 
@@ -289,6 +291,25 @@ def _optim_entries(model, opt, which: int, sd: dict, group_offset: int) -> dict:
     return {"class": type(opt).__name__, "fqns": fqns, "groups": groups}
 
 
+def _target_problem(path: str) -> str | None:
+    """None when a save may put a checkpoint at ``path``: nothing there, an empty folder, or a checkpoint of ours
+    (which it replaces); else why not. Nothing else is ever replaced: a save does not delete a user's files."""
+    if not path:
+        return "cannot write the checkpoint folder '': the path is empty; pass the folder to save into"
+    if os.path.lexists(path) and not os.path.isdir(path):
+        return f"cannot write the checkpoint folder {path!r}: it is a file, not a folder; nothing was written"
+    if os.path.isdir(path):
+        entries = sorted(os.listdir(path))
+        if entries and not (is_complete(path) or os.path.isfile(os.path.join(path, META_FILE))):
+            shown = ", ".join(repr(e) for e in entries[:3]) + (", ..." if len(entries) > 3 else "")
+            return (
+                f"cannot write the checkpoint folder {path!r}: it holds files that are not a ragged-optim "
+                f"checkpoint ({shown}), and a save replaces the whole folder; nothing was written. Save into a new "
+                "or empty folder"
+            )
+    return None
+
+
 def _writable(folder: str) -> str | None:
     """None when rank 0 can create ``folder`` and write into it, else why not."""
     try:
@@ -331,7 +352,7 @@ def save_checkpoint(
     for j, opt in enumerate(optimizers):
         records.append(_optim_entries(model, opt, j, sd, offset))
         offset += len(opt.param_groups)
-    problem = _writable(tmp) if _rank() == 0 else None
+    problem = (_target_problem(path) or _writable(tmp)) if _rank() == 0 else None
     problem = _broadcast_obj(problem)
     if problem:
         raise CheckpointError(problem)

@@ -480,6 +480,9 @@ def bad_loads(rank, world, path):
     attempt("newer", lambda: load_checkpoint(path + ".newer", model, opts))
     attempt("truncated", lambda: load_checkpoint(path + ".truncated", model, opts))
     attempt("unwritable", lambda: save_checkpoint(os.path.join(path, "meta.pt", "sub"), model, opts))
+    attempt("missing", lambda: load_checkpoint(path + ".missing", model, opts))
+    for target in ("userdir", "userfile", ""):  # never replaced: a save deleted a folder of the user's files
+        attempt(f"save_{target}", lambda t=target: save_checkpoint(f"{path}.{t}" if t else "", model, opts))
     after = (snapshot(model), full_optim_states(model, opts))
     # other optimizers are built on a second copy of the model (an optimizer re-plans its params' layout)
     for name, last in (("block_size", lambda p: AdamW8bit(p, block_size=128)), ("class", lambda p: Muon(p))):
@@ -504,6 +507,13 @@ def test_bad_checkpoints_raise_checkpoint_error_and_change_nothing(tmp_path):
     data = sorted(glob.glob(os.path.join(path + ".truncated", "*.distcp")))[-1]
     with open(data, "r+b") as f:
         f.truncate(os.path.getsize(data) // 2)
+    shutil.copytree(path, path + ".missing")
+    gone = sorted(glob.glob(os.path.join(path + ".missing", "*.distcp")))[0]
+    os.remove(gone)
+    os.makedirs(path + ".userdir")
+    for f in (path + ".userdir/results.csv", path + ".userfile"):
+        with open(f, "w") as fh:
+            fh.write("the user's\n")
     before, after, errors = run_on_ranks(bad_loads, 2, path)[0]
     assert_bitwise(after[0], before[0])
     assert_bitwise(after[1], before[1])
@@ -513,6 +523,14 @@ def test_bad_checkpoints_raise_checkpoint_error_and_change_nothing(tmp_path):
     assert "newer ragged-optim" in errors["newer"][1]
     assert os.path.basename(data) in errors["truncated"][1]
     assert "cannot write the checkpoint folder" in errors["unwritable"][1]
+    assert os.path.basename(gone) in errors["missing"][1]  # (it named the file read before the missing one)
+    assert "not a ragged-optim checkpoint ('results.csv')" in errors["save_userdir"][1]
+    assert "it is a file, not a folder" in errors["save_userfile"][1]
+    assert "the path is empty" in errors["save_"][1]
+    for f in (path + ".userdir/results.csv", path + ".userfile"):
+        with open(f) as fh:
+            assert fh.read() == "the user's\n"
+    assert not glob.glob(path + ".user*.tmp-*") and not glob.glob(".tmp-*")
     assert issubclass(CheckpointError, Exception)
 
 
