@@ -164,8 +164,14 @@ def assert_sharded_matches_single(
     rank gets its slice). Params are compared after every step; the first one outside ``atol + rtol * |single|``
     raises ``ShardedMismatch`` with its step, name, index and both values.
 
-    ``model_fn`` must build the same model in every process (seed inside it)."""
-    single = _run(model_fn, optimizer_fn, steps, grad_fn)
+    ``model_fn`` must build the same model in every process (seed inside it). The one-process run uses one thread,
+    as each rank does: a kernel's result may depend on how many threads split its reduction."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        single = _run(model_fn, optimizer_fn, steps, grad_fn)
+    finally:
+        torch.set_num_threads(threads)
     sharded = run_on_ranks(
         _sharded,
         world_size,

@@ -173,13 +173,27 @@ class FlatUnit:
                 "optimizer before the first step (or pass block_policy= to fully_shard)"
             )
         old_layout, old_shard = self.layout, self.local_shard
+        # Grads that exist (a backward ran before the optimizer was built, or before add_param_group) move with
+        # their elements; a param has a grad afterwards where it had one on any rank.
+        had = torch.tensor([sp.grad is not None for sp in self.sharded_params], dtype=torch.float32)
+        if self.world_size > 1:
+            had = had.to(self.device)
+            all_reduce_flat(had, group=self.group, op=dist.ReduceOp.MAX)
+        had = [bool(h) for h in had.tolist()]
+        old_grads = None
+        if any(had):
+            old_grads = torch.zeros(old_layout.shard_size, dtype=self.dtype, device=self.device)
+            for i, sp in enumerate(self.sharded_params):
+                if sp.grad is not None:
+                    self._shard_view(old_grads, i).copy_(sp.grad)
         self.specs, self.allow_split = new_specs, split
         self.layout = self._plan(old_layout.shapes, compute_load)
         self.local_shard = self._redistribute(old_layout, old_shard, self.layout)
+        grads = self._redistribute(old_layout, old_grads, self.layout) if old_grads is not None else None
         for i, sp in enumerate(self.sharded_params):
             sp.data = self._local_slice(i)
-            sp.grad = None
-        self._sharded_grad = None
+            sp.grad = self._shard_view(grads, i) if had[i] else None
+        self._sharded_grad = weakref.ref(grads) if grads is not None else None
         self.is_unsharded, self.stale = False, True
         self._build_unsharded_params()
         return True

@@ -69,3 +69,22 @@ def test_torch_fsdp2_params_through_shard_fn():
 
     opt = lambda m: torch.optim.AdamW(m.parameters(), lr=0.1)
     assert_sharded_matches_single(make_model, opt, world_size=2, shard_fn=fsdp2)
+
+
+def _wide_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(20, 33), nn.ReLU(), nn.Linear(33, 7), nn.Linear(7, 40, bias=False))
+
+
+def test_reference_run_uses_one_thread_as_the_ranks_do():
+    """With the caller at 2 threads, a matmul-heavy optimizer's one-process reference split its reductions over
+    threads that the ranks (one thread each) do not: Shampoo "differed" (1.9e-7 at step 0) at every world size."""
+    from ragged_optim.optim import Shampoo
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert_sharded_matches_single(_wide_model, lambda m: Shampoo(m.parameters(), lr=1e-3), world_size=2)
+        assert torch.get_num_threads() == 2  # the caller's setting is given back
+    finally:
+        torch.set_num_threads(threads)

@@ -248,7 +248,16 @@ class BlockOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self._block_allow_split = allow_split
         self.declare_param_blocks()
+        self._blocks_declared = True
         self.register_step_pre_hook(lambda opt, args, kwargs: opt._lock_block_layouts())
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's; on a built optimizer the new group's blocks are declared at the next step (a collective, as the
+        constructor's: every rank adds the same groups). Without that, a ragged unit's layout would not keep the new
+        params' blocks whole, and their blocks cut by a rank boundary were silently computed in pieces."""
+        super().add_param_group(param_group)
+        if self.__dict__.get("_blocks_declared"):
+            self._blocks_stale = True
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -266,8 +275,9 @@ class BlockOptimizer(torch.optim.Optimizer):
         return default_block_cost(spec, numel)
 
     def declare_param_blocks(self) -> None:
-        """(Re)declare every param's spec: called by the constructor; call it again after ``add_param_group`` on a
-        built optimizer (before the first step)."""
+        """(Re)declare every param's spec: called by the constructor, and by the next step after ``add_param_group``
+        on a built optimizer. A collective when ragged units are concerned; after the first step a group whose
+        blocks need another layout is refused (the layouts hold optimizer state by then)."""
         declare_blocks(
             [(p, s) for g in self.param_groups for p in g["params"] if (s := self.block_spec(p, g)) is not None],
             allow_split=self._block_allow_split,
@@ -276,6 +286,9 @@ class BlockOptimizer(torch.optim.Optimizer):
         self.__dict__.pop("_block_specs", None)
 
     def _lock_block_layouts(self) -> None:
+        if self.__dict__.pop("_blocks_stale", False):  # groups were added (add_param_group) since the declaration
+            self.declare_param_blocks()
+            self._layouts_locked = False  # (the new params' units too)
         if not self.__dict__.get("_layouts_locked"):
             lock_layouts(p for g in self.param_groups for p in g["params"])
             self._layouts_locked = True
