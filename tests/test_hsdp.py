@@ -169,3 +169,41 @@ def test_one_replica_hsdp_makes_no_all_reduce():
     assert all(r[0] == ours[0][0] for r in ours) and ours[0][0][1] > 0
     assert ours[0][0][0] == 0
     assert all(torch.equal(a, b) for a, b in zip(ours[0][1], plain[0][1]))
+
+
+def _adamw8bit_steps(model, sharded):
+    from ragged_optim.optim import AdamW8bit
+    from ragged_optim.testing import set_full_grad
+
+    opt = AdamW8bit(model.parameters(), lr=1e-2, block_size=64, min_8bit_size=1)
+    for step in range(2):
+        g = torch.randn(16, 32, generator=torch.Generator().manual_seed(step))
+        if sharded:
+            set_full_grad(model.weight, g)
+        else:
+            model.weight.grad = g
+        opt.step()
+        opt.zero_grad()
+    return opt
+
+
+def _adamw8bit_full_state_hsdp(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ragged_optim import get_full_optimizer_state_dict
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(32, 16, bias=False)  # 8 blocks of 64
+    fully_shard(model, mesh=init_device_mesh("cpu", (2, world_size // 2)))
+    return get_full_optimizer_state_dict(model, _adamw8bit_steps(model, True))["state"][0]
+
+
+def test_full_optimizer_state_under_hsdp_is_the_one_process_state():
+    """Before: each replica's 8-bit scales were gathered from the whole world and concatenated, so the full state
+    held them once per replica (16 scales for 8 blocks) and did not load into the one-process optimizer."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(32, 16, bias=False)
+    want = _adamw8bit_steps(model, False).state_dict()["state"][0]
+    got = run_on_ranks(_adamw8bit_full_state_hsdp, 4)[0]
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)
