@@ -151,6 +151,13 @@ def test_resume_at_or_past_steps(capsys, tmp_path):
     assert "nothing to train" in captured.err and "already at --steps 2" in captured.err
     assert captured.out == "" and not os.path.exists(os.path.join(out, "summary.json"))
 
+    # A checkpoint of another optimizer, model or sharding: refused with the option (was a traceback per rank,
+    # after the ranks started; --fsdp torch met torch's "metadata is None").
+    for option, value, saved in (("--optimizer", "muon", "adamw"), ("--preset", "small", "tiny")):
+        argv = [value if i and base[i - 1] == option else a for i, a in enumerate(base)]
+        err = _usage_error(capsys, *argv, "--steps", "3", "--resume")
+        assert f"{option} {value} does not match the checkpoint to resume" in err and f"{option} {saved}" in err
+
     # train_rank (the API, no parent check) refuses too, rather than reporting steps 2..1.
     cfg = TrainConfig(
         optimizer="adamw", preset="tiny", steps=1, world_size=1, batch_size=2, fsdp="none", progress=False
@@ -158,6 +165,18 @@ def test_resume_at_or_past_steps(capsys, tmp_path):
     cfg.checkpoint_dir, cfg.resume, cfg.out = ckpt, True, out
     with pytest.raises(ConfigError, match="below the step of the checkpoint"):
         train_rank(0, 1, cfg)
+
+
+def test_unusable_out_and_checkpoint_dir_are_refused_before_training(capsys, tmp_path):
+    """Before: accepted, then every step trained and the run failed at its first save (a traceback per rank, the
+    steps lost) or at writing its summary."""
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    for option in ("--checkpoint-dir", "--out"):
+        err = _usage_error(capsys, *TINY, "--world-size", "1", "--fsdp", "none", option, str(a_file))
+        assert f"{option} {str(a_file)!r} is a file, not a folder" in err
+    err = _usage_error(capsys, *TINY, "--world-size", "1", "--fsdp", "none", "--out", str(a_file / "sub"))
+    assert "is not a writable folder" in err
 
 
 def test_plan_module_must_build_an_nn_module(capsys):

@@ -91,10 +91,26 @@ class TrainConfig:
             raise ConfigError(f"--checkpoint-every must be >= 1, got {self.checkpoint_every}")
         if self.keep_checkpoints < 1:  # 0 would delete each checkpoint right after writing it
             raise ConfigError(f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
+        for option, folder in (("--checkpoint-dir", self.checkpoint_dir), ("--out", self.out)):
+            if folder is not None:
+                _check_folder(option, folder)
 
     def model_config(self):
         overrides = {} if self.seq_len is None else {"seq_len": self.seq_len}
         return get_config(self.preset, **overrides)
+
+
+def _check_folder(option: str, folder: str) -> None:
+    """A folder the run will create or write into: refused now when it cannot be, rather than after training."""
+    if not folder:
+        raise ConfigError(f"{option} is empty; pass a folder")
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise ConfigError(f"{option} {folder!r} is a file, not a folder; pass a folder (it is created if missing)")
+    parent = os.path.abspath(folder)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{option} {folder!r}: {parent!r} is not a writable folder, so the run could not write there")
 
 
 def run_folder(cfg: TrainConfig, world_size: int, root: str = "runs") -> str:

@@ -129,7 +129,7 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig, device: str | torch
             # before the checkpoint, so that a resumed run's curve has this point too
             val_points.append((done, _val_loss(model, cfg, mcfg, rank, world_size, device)))
         if ckpt is not None and (done % cfg.checkpoint_every == 0 or done == cfg.steps):
-            meta = {"losses": losses, "val_losses": val_points, "seed": cfg.seed, "optimizer": cfg.optimizer}
+            meta = {"losses": losses, "val_losses": val_points, "seed": cfg.seed, **_run_identity(cfg)}
             ckpt.save(done, model, opt, meta)
     progress.close()
     steps_run = cfg.steps - start
@@ -208,6 +208,11 @@ def _past_steps_message(path: str, step: int, steps: int) -> str:
     )
 
 
+def _run_identity(cfg: TrainConfig) -> dict:
+    """What a checkpoint must have been written with to be resumed by ``cfg`` (each an option of the same name)."""
+    return {"optimizer": cfg.optimizer, "preset": cfg.preset, "seq_len": cfg.model_config().seq_len, "fsdp": cfg.fsdp}
+
+
 def _already_done(cfg: TrainConfig, announce: bool) -> bool:
     """With --resume: raise if the latest checkpoint is past --steps; True (nothing to train) if it is at --steps.
     Checked before any rank starts, so a finished run resumed again exits cleanly instead of reporting a run of
@@ -219,9 +224,17 @@ def _already_done(cfg: TrainConfig, announce: bool) -> bool:
         return False
     try:
         with open(os.path.join(path, "meta.json")) as f:
-            step = int(json.load(f)["step"])
+            meta = json.load(f)
+        step = int(meta["step"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"--resume: cannot read the step of {path}/meta.json ({e}); remove that folder") from e
+    for key, value in _run_identity(cfg).items():
+        if key in meta and meta[key] != value:  # (checkpoints of older versions record the optimizer only)
+            option = "--" + key.replace("_", "-")
+            raise ConfigError(
+                f"{option} {value} does not match the checkpoint to resume: {path} was written with {option} "
+                f"{meta[key]}; pass {option} {meta[key]}, or a --checkpoint-dir without checkpoints to start over"
+            )
     if step > cfg.steps:
         raise ConfigError(_past_steps_message(path, step, cfg.steps))
     if step == cfg.steps:
