@@ -51,6 +51,8 @@ def main() -> None:
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=5))  # torchrun's RANK, WORLD_SIZE, ...
     rank, world_size = dist.get_rank(), dist.get_world_size()
+    if args.batch_size < 1 or args.batch_size % world_size:  # (it trained on fewer rows, silently)
+        raise SystemExit(f"--batch-size {args.batch_size} must be a positive multiple of the world size {world_size}")
     config = tiny_config()
     torch.manual_seed(0)  # the same weights on every rank
     model = LlamaForCausalLM(config)

@@ -200,6 +200,8 @@ def plan_model(
         c = row.pop("_comp")  # the row's units together: their owners were balanced with all the others
         row["owner_compute_max_over_mean"] = float(c.max() / c.mean()) if c.sum() > 0 else None
     total = sums["total_elements"]
+    if total == 0:
+        raise ValueError(f"model {name} has no parameter elements: there is nothing to shard or plan")
     mean = total / W
     cmean = comp.sum() / W
     summary = {

@@ -194,3 +194,25 @@ def test_plan_module_must_build_an_nn_module(capsys):
 def test_plan_model_and_module_are_exclusive(capsys):
     err = _usage_error(capsys, "plan", "--module", "torch.nn:Transformer", "--model", "llama3-8b", "--world-size", "4")
     assert "ragged-optim plan: error: argument --model: not allowed with argument --module" in err
+
+
+@pytest.mark.parametrize(
+    "argv, text",
+    [
+        (["muon", "--world-size", "0"], "--world-size must be >= 1, got 0"),
+        (["muon", "--steps", "0"], "--steps must be >= 1, got 0"),
+        (["adamw8bit", "--seeds", "0"], "--seeds must be >= 1, got 0"),
+        (["peers", "--families", "nosuch"], "--families takes a comma-separated list of ['muon'"),
+        (["muon", "--seeds", "2"], "benchmark 'muon' takes no --seeds"),
+    ],
+)
+def test_bench_options_are_refused_as_usage_errors(capsys, argv, text):
+    """Before: a ValueError traceback from inside the benchmark, exit 1."""
+    assert text in _usage_error(capsys, "bench", *argv)
+
+
+def test_plan_of_a_model_without_params_is_an_error(capsys):
+    """Before: ZeroDivisionError (padding_ratio) with a traceback."""
+    assert main(["plan", "--module", "torch.nn:Identity", "--world-size", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "has no parameter elements: there is nothing to shard or plan" in err and "Traceback" not in err

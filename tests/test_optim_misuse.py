@@ -195,3 +195,11 @@ def test_saved_state_missing_a_band_is_refused(cls):
     with pytest.raises(ValueError, match=r"lacks its band\(s\) \[1\], which this rank computes.*get_full_optimizer"):
         opt.load_state_dict(saved)
     assert _same(opt.state_dict(), before)
+
+
+def test_nonfinite_policy_on_a_torch_optimizer_is_refused():
+    """Before: accepted and ignored (torch's optimizers never read it): a NaN grad went into every param."""
+    from ragged_optim import set_nonfinite_policy
+
+    with pytest.raises(TypeError, match=r"AdamW is not a ragged-optim optimizer.*GradScaler"):
+        set_nonfinite_policy(torch.optim.AdamW([torch.zeros(2, requires_grad=True)]), "raise")

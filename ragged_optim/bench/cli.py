@@ -20,6 +20,8 @@ import os
 import sys
 import time
 
+from ragged_optim.cli import UsageError
+
 #: Every benchmark the CLI knows of, in the order ``bench all`` runs them; a module that is not there yet is
 #: listed as unavailable.
 BENCHMARKS = ("fsdp", "memory", "muon", "shampoo", "soap", "adamw8bit", "comm", "hsdp", "peers")
@@ -58,13 +60,13 @@ def run_benchmark(
         raise
     accepted = inspect.signature(module.run).parameters
     if kw.get("device", "cpu") != "cpu" and "device" not in accepted:
-        raise ValueError(f"benchmark {name!r} runs on CPU only (--device is for: memory, fsdp, peers)")
+        raise UsageError(f"benchmark {name!r} runs on CPU only (--device is for: memory, fsdp, peers)")
     for option, users in (("seeds", "adamw8bit, comm, peers"), ("families", "peers")):
         if kw.get(option) is not None and option not in accepted:
             if lenient:
                 kw.pop(option)
                 continue
-            raise ValueError(f"benchmark {name!r} takes no --{option} (it is for: {users})")
+            raise UsageError(f"benchmark {name!r} takes no --{option} (it is for: {users})")
     kw = {k: v for k, v in kw.items() if v is not None}
     if world_size is not None:
         kw["world_size"] = world_size
@@ -91,6 +93,16 @@ def _rows_table(name: str, result: dict) -> str | None:
 def cmd_bench(args: argparse.Namespace) -> int:
     from ragged_optim.bench.common import format_table, machine_info, markdown_report
 
+    for option, value in (("--world-size", args.world_size), ("--steps", args.steps), ("--seeds", args.seeds)):
+        if value is not None and value < 1:
+            raise UsageError(f"{option} must be >= 1, got {value} (omit it for the benchmark's default)")
+    if args.families is not None:
+        from ragged_optim.bench.peers import FAMILIES
+
+        families = [f.strip() for f in args.families.split(",") if f.strip()]
+        unknown = [f for f in families if f not in FAMILIES]
+        if not families or unknown:
+            raise UsageError(f"--families takes a comma-separated list of {list(FAMILIES)}, got {args.families!r}")
     names = available() if args.name == "all" else [args.name]
     if args.name != "all" and args.name not in available():
         print(f"benchmark {args.name!r} is not available here; available: {', '.join(available())}", file=sys.stderr)
@@ -109,7 +121,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                     extra["families"] = [f.strip() for f in args.families.split(",") if f.strip()]
                 results[name] = run_benchmark(name, args.world_size, args.steps, lenient=args.name == "all", **extra)
             except Exception as e:
-                if args.name != "all":
+                if args.name != "all" or isinstance(e, UsageError):
                     raise
                 failed = True
                 results[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}

@@ -65,6 +65,14 @@ _CHECKED = "_ragged_guard_checked"
 
 def set_nonfinite_policy(opt: torch.optim.Optimizer, policy: str) -> None:
     """``"skip"`` (default), ``"raise"`` or ``"off"``: what ``opt.step()`` does with NaN/Inf gradients."""
+    from ragged_optim.optim.optimizer import RaggedOptimizer  # (it imports this module)
+
+    if not isinstance(opt, RaggedOptimizer):
+        raise TypeError(
+            f"set_nonfinite_policy: {type(opt).__name__} is not a ragged-optim optimizer, and only those check grads "
+            "in step(), so the policy would do nothing. For torch's optimizers check the grads yourself (e.g. "
+            "torch.amp.GradScaler skips steps with inf/NaN grads)"
+        )
     if policy not in NONFINITE_POLICIES:
         raise ValueError(f"nonfinite policy must be one of {NONFINITE_POLICIES}, got {policy!r}")
     opt.nonfinite = policy
