@@ -742,7 +742,7 @@ def get_full_optimizer_state_dict(model: nn.Module, opt: torch.optim.Optimizer) 
                 parts = _gather_objects((lo // group["block_size"], v.detach().cpu()))
                 # by first block: under HSDP every replica holds the same blocks (the world gathers each once per
                 # replica: before, the scales came out once per replica)
-                out[key] = torch.cat([t for _, t in sorted(dict(parts).items()) if t.numel()])
+                out[key] = torch.cat([t for _, t in sorted({b: t for b, t in parts if t.numel()}.items())])
         full_state[i] = out
     for g, start in zip(sd["param_groups"], _starts(opt)):
         g["param_names"] = fqns[start : start + len(g["params"])]
