@@ -564,8 +564,9 @@ def _optim_request(path, opt, p, fqn: str, group: dict, stored: dict, request: d
             request[key] = sharded_dtensor(torch.empty(hi - lo, dtype=dtype, device=p.device), info, block_size=bs)
         elif info is not None and size == tuple(info.shape) and len(size) >= 1:
             request[key] = sharded_dtensor(torch.empty(p.numel(), dtype=dtype, device=p.device), info)
-        else:
-            request[key] = torch.empty(size, dtype=dtype, device=p.device)
+        else:  # a step counter stays on the CPU, as the optimizers keep it (on a GPU: no sync per read)
+            device = "cpu" if rest == "step" and size == () else p.device
+            request[key] = torch.empty(size, dtype=dtype, device=device)
         out[rest] = key
     if band_keys:
         mine = _bands_here(opt, p, group)

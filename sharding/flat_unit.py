@@ -176,7 +176,7 @@ class FlatUnit:
         # Grads that exist (a backward ran before the optimizer was built, or before add_param_group) move with
         # their elements; a param has a grad afterwards where it had one on any rank.
         had = torch.tensor([sp.grad is not None for sp in self.sharded_params], dtype=torch.float32)
-        if self.world_size > 1:
+        if self.world_size > 1 and self.device.type != "meta":  # (a model on meta has no grads to move)
             had = had.to(self.device)
             all_reduce_flat(had, group=self.group, op=dist.ReduceOp.MAX)
         had = [bool(h) for h in had.tolist()]

@@ -286,3 +286,22 @@ def test_moves_to_the_same_device_are_no_ops_and_casts_are_refused_with_nothing_
     refused, dtypes, has_grad = run_on_ranks(_moves_and_casts, 2)[0]
     assert refused is not None and "is being cast to torch.bfloat16 after fully_shard" in refused
     assert set(dtypes) == {torch.float32} and all(has_grad)
+
+
+def _meta_with_block_policy(rank, world_size):
+    from ragged_optim import BlockSpec
+
+    with torch.device("meta"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(33, 70), nn.Linear(70, 33))
+    fully_shard(model, block_policy=lambda name, p: BlockSpec.matrices(p.shape) if p.ndim == 2 else None)
+    model.to_empty(device="cpu")
+    init_weights(model)
+    return [tuple(full_tensor(p).shape) for p in model.parameters()]
+
+
+def test_meta_model_with_a_block_policy():
+    """A re-plan on meta params (block_policy=, the big-model setup) once read grad flags off the meta device:
+    NotImplementedError: Cannot copy out of meta tensor."""
+    for shapes in run_on_ranks(_meta_with_block_policy, 2):
+        assert shapes == [(70, 33), (70,), (33, 70), (33,)]

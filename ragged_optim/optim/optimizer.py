@@ -208,7 +208,22 @@ class RaggedOptimizer(BlockOptimizer):
     def _load_checked_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Check ``state_dict`` (its hooks run, its state as local pieces), then load it with torch's loader."""
         self._check_state_dict(state_dict)
-        torch.optim.Optimizer.load_state_dict(self, state_dict)
+        torch.optim.Optimizer.load_state_dict(self, _steps_on_cpu(state_dict))
+
+
+def _steps_on_cpu(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """``state_dict`` with every 0-d ``step`` counter on the CPU, where our optimizers keep it: torch's loader leaves
+    it where it comes (a checkpoint read onto the params' GPU), and every step reads it on the host."""
+    state = state_dict.get("state")
+    if not isinstance(state, dict):
+        return state_dict
+    moved = {}
+    for k, st in state.items():
+        step = st.get("step") if isinstance(st, dict) else None
+        if isinstance(step, torch.Tensor) and step.dim() == 0 and step.device.type not in ("cpu", "meta"):
+            st = {**st, "step": step.cpu()}
+        moved[k] = st
+    return {**state_dict, "state": moved}
 
 
 def _is_distributed(p: torch.Tensor) -> bool:
