@@ -64,7 +64,26 @@ def all_reduce_flat(tensor: torch.Tensor, group=None, async_op: bool = False, op
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
-def grad_divide_plan(group, dtype: torch.dtype, divisor: int) -> tuple[float, float, object]:
+def serves_cuda(group=None) -> bool:
+    """Whether ``group``'s collectives on CUDA tensors run on NCCL: ``init_process_group("nccl")``, a mixed
+    ``"cpu:gloo,cuda:nccl"``, or torch's default backend with CUDA present (reported as "undefined")."""
+    if not dist.is_initialized():
+        return False
+    name = str(dist.get_backend(group)).lower()
+    if "nccl" in name:
+        return True
+    if name == "undefined" and torch.cuda.is_available():
+        pg = group if group is not None else dist.group.WORLD
+        try:
+            return "nccl" in type(pg._get_backend(torch.device("cuda"))).__name__.lower()
+        except (RuntimeError, AttributeError, ValueError):
+            return False
+    return False
+
+
+def grad_divide_plan(
+    group, dtype: torch.dtype, divisor: int, device: torch.device | None = None
+) -> tuple[float, float, object]:
     """How to average a gradient over ``divisor`` contributions: ``(pre, post, op)``, meaning divide by ``pre``
     before the reduction with ``op`` and by ``post`` after it.
 
@@ -74,8 +93,8 @@ def grad_divide_plan(group, dtype: torch.dtype, divisor: int) -> tuple[float, fl
     times the largest of them, and small values lose at most half the exponent range a full pre-division would
     cost. A power-of-two ``pre`` is exact in any float format, so for fp32 and bf16 the result equals summing
     first and dividing once."""
-    backend = dist.get_backend(group) if dist.is_initialized() else "gloo"
-    if backend == "nccl" and dtype != torch.float16:
+    on_nccl = serves_cuda(group) and (device is None or torch.device(device).type == "cuda")
+    if on_nccl and dtype != torch.float16:
         return 1.0, 1.0, dist.ReduceOp.AVG
     pre = 1
     while pre * pre < divisor:

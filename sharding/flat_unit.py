@@ -464,7 +464,7 @@ class FlatUnit:
                 quantized_reduce_scatter(out, full, "int8", self.comm_policy.block_size, group=self.group)
                 return self._all_reduce_replicas_on_stream(out, op)
         else:
-            pre, post, op = grad_divide_plan(self.group, full.dtype, self._grad_divisor())
+            pre, post, op = grad_divide_plan(self.group, full.dtype, self._grad_divisor(), full.device)
             out = torch.empty(self.layout.shard_size, dtype=full.dtype, device=self.device)
 
             def reduce():

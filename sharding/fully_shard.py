@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from ragged_optim.comm.collectives import serves_cuda
 from ragged_optim.sharding.comm_policy import CommPolicy
 from ragged_optim.sharding.flat_unit import FlatUnit
 from ragged_optim.sharding.runtime import ModuleState, cast_floating
@@ -305,7 +306,8 @@ def fully_shard(
         )
     _check_params(module, params, names)  # before the mesh: param errors need no process group
     group, replicate_group = _resolve_groups(mesh)
-    device = _target_device(mesh, params)
+    device = _target_device(mesh, params, group)
+    _move_buffers(module, device)
     # Frozen params go in a unit of their own: no gradient buffer, no reduce-scatter bytes for them.
     trainable = [p.requires_grad for p in params]
     split = [[i for i, t in enumerate(trainable) if t], [i for i, t in enumerate(trainable) if not t]]
@@ -350,14 +352,31 @@ def _states_under(module: nn.Module) -> list[ModuleState]:
     return [s for m in module.modules() if (s := state_of(m)) is not None]
 
 
-def _target_device(mesh, params) -> torch.device:
-    """The params' device, or the mesh's device type when a DeviceMesh names another one (as FSDP2 moves them)."""
+def _target_device(mesh, params, group) -> torch.device:
+    """Where the unit lives, as FSDP2 decides: the params' device, or the mesh's device type when a DeviceMesh names
+    another one, or the current CUDA device when CPU params meet a group that runs on NCCL (FSDP2's default mesh is
+    CUDA's; NCCL takes CUDA tensors only). Meta params stay on meta."""
     device = params[0].device if params else torch.device("cpu")
-    if isinstance(mesh, DeviceMesh) and device.type not in (mesh.device_type, "meta"):
-        if mesh.device_type == "cuda":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device(mesh.device_type)
-    return device
+    if device.type == "meta":
+        return device
+    if isinstance(mesh, DeviceMesh):
+        want = mesh.device_type
+    elif device.type == "cpu" and torch.cuda.is_available() and serves_cuda(group):
+        want = "cuda"
+    else:
+        return device
+    if device.type == want:
+        return device
+    return torch.device("cuda", torch.cuda.current_device()) if want == "cuda" else torch.device(want)
+
+
+def _move_buffers(module: nn.Module, device: torch.device) -> None:
+    """The module's buffers follow its params to ``device``, as FSDP2 moves them (a rotary ``inv_freq`` left on
+    the CPU would meet CUDA params in the forward). Buffers are not sharded."""
+    for mod in module.modules():
+        for name, buf in mod._buffers.items():
+            if buf is not None and buf.device != device and buf.device.type != "meta":
+                mod._buffers[name] = buf.to(device)
 
 
 @torch._disable_dynamo

@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from ragged_optim.comm.collectives import all_gather_flat
+from ragged_optim.comm.collectives import all_gather_flat, serves_cuda
 
 __all__ = ["RaggedDTensor", "RaggedShard", "flat_range_boxes", "ragged_dtensor"]
 
@@ -84,7 +84,7 @@ def mesh_of(group) -> DeviceMesh:
     """A 1-D DeviceMesh over ``group`` (cached per group; building one is cheap but not free)."""
     group = group if group is not None else dist.group.WORLD
     if group not in _MESHES:
-        device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+        device = "cuda" if serves_cuda(group) and torch.cuda.is_available() else "cpu"
         _MESHES[group] = DeviceMesh.from_group(group, device)
     return _MESHES[group]
 

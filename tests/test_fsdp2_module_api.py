@@ -132,3 +132,32 @@ def test_weights_tied_across_two_units_are_refused(ranks):
         # a tensor shared by two separately sharded models is not a tie inside one tree: both accept it
         assert r["ours", "shared_by_two_models"] is None and r["fsdp2", "shared_by_two_models"] is None
         assert r["ours", "tied_one_unit_params"] == 1
+
+
+class _WithBuffer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("scale", torch.ones(8))
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+def _buffers_follow_the_mesh(rank, world_size):
+    from torch.distributed import group
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from ragged_optim.sharding import units_of
+
+    model = _WithBuffer()
+    fully_shard(model, mesh=DeviceMesh.from_group(group.WORLD, "meta"))  # (a "cuda" mesh, on a CPU-only machine)
+    return str(units_of(model)[0].local_shard.device), str(model.scale.device)
+
+
+def test_buffers_move_with_the_params_to_the_meshs_device():
+    """Before: the params moved to the mesh's device and the buffers stayed on the CPU (FSDP2 moves both:
+    _move_states_to_device), so a CUDA forward would have met a CPU buffer. (FSDP2 cannot run a meta mesh, so no
+    control here.)"""
+    for r in run_on_ranks(_buffers_follow_the_mesh, WORLD):
+        assert r == ("meta", "meta")

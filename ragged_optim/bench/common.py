@@ -13,6 +13,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from ragged_optim.comm.collectives import serves_cuda
+
 
 def timed(fn: Callable[..., object], *args, group=None) -> float:
     """Wall seconds for every rank of ``group`` to finish ``fn(*args)`` (a barrier on each side)."""
@@ -27,7 +29,7 @@ def timed(fn: Callable[..., object], *args, group=None) -> float:
 
 def rank_device() -> torch.device:
     """The device a benchmark rank works on: its GPU under NCCL (``run_on_ranks(device="cuda")``), else the CPU."""
-    if dist.get_backend() == "nccl":
+    if serves_cuda() and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
