@@ -6,6 +6,7 @@ One run of 2 gloo ranks computes every case (a module-scoped fixture)."""
 
 import pytest
 import torch
+from test_fully_shard_misuse import _err
 from torch import nn
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
@@ -43,14 +44,6 @@ class _Tied(nn.Module):
 
     def forward(self, idx):
         return self.head(self.emb(idx))
-
-
-def _err(fn):
-    try:
-        fn()
-    except Exception as e:
-        return f"{type(e).__name__}: {e}"
-    return None
 
 
 def _on_ranks(rank, world_size):
