@@ -307,7 +307,11 @@ def fully_shard(
     _check_params(module, params, names)  # before the mesh: param errors need no process group
     group, replicate_group = _resolve_groups(mesh)
     device = _target_device(mesh, params, group)
-    _move_buffers(module, device)
+    # the buffers go where a mesh says, or where the params move (never to meta because the params are there)
+    if isinstance(mesh, DeviceMesh):
+        _move_buffers(module, _device_of_type(mesh.device_type))
+    elif params and params[0].device.type != "meta" and device != params[0].device:
+        _move_buffers(module, device)
     # Frozen params go in a unit of their own: no gradient buffer, no reduce-scatter bytes for them.
     trainable = [p.requires_grad for p in params]
     split = [[i for i, t in enumerate(trainable) if t], [i for i, t in enumerate(trainable) if not t]]
@@ -365,9 +369,11 @@ def _target_device(mesh, params, group) -> torch.device:
         want = "cuda"
     else:
         return device
-    if device.type == want:
-        return device
-    return torch.device("cuda", torch.cuda.current_device()) if want == "cuda" else torch.device(want)
+    return device if device.type == want else _device_of_type(want)
+
+
+def _device_of_type(kind: str) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device(kind)
 
 
 def _move_buffers(module: nn.Module, device: torch.device) -> None:

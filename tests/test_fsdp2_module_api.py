@@ -1,6 +1,7 @@
 """FSDP2's module-level API and entry points on ragged units, with torch FSDP2 doing the same in the same ranks:
 ``unshard()`` / ``unshard(async_op=True)`` before a forward, a first forward under ``torch.inference_mode()``, and
-weights tied across two ``fully_shard`` calls (refused, as FSDP2 refuses them; before, ours silently untied them).
+weights tied across two ``fully_shard`` calls (refused, as FSDP2 refuses them; before, ours silently untied them),
+buffers that follow the params to the mesh's device.
 
 One run of 2 gloo ranks computes every case (a module-scoped fixture)."""
 
