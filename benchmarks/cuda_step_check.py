@@ -9,6 +9,9 @@ all-gather and reduce streams all run), trained two warm-up steps, then:
 - one step under `set_sync_debug_mode("warn")` with the check on: exactly one sync (the non-finite flag) is
   expected, counted from the warnings.
 
+For our optimizers the same sync-free step once more after ro.save_checkpoint / ro.load_checkpoint into a fresh
+model and optimizer, with the step counters checked to be on the CPU (`<name>_resumed`).
+
 Then AdamW: our sharded run against the same model trained in one process without any sharding, 4 steps, the
 largest parameter difference relative to the largest parameter change (the streams must not change a value).
 
@@ -88,6 +91,38 @@ def _sync_check(name, cfg, device) -> dict:
     return out
 
 
+def _resumed_sync_check(name, cfg, device) -> dict:
+    """After ro.save_checkpoint / ro.load_checkpoint into a fresh model and optimizer: the step counters are on the
+    CPU (a counter on the GPU makes each of its reads a sync) and a step is still sync-free."""
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    batches = _batches(cfg, 4, device)
+    path = os.path.join(tempfile.mkdtemp(), "ckpt")
+    model = shard_model(build_model(cfg, seed=0, device=device), "ours", mp_policy=mp)
+    opt = OPTIMIZERS[name](model)
+    for b in batches[:2]:
+        _step(model, opt, *b)
+    ro.save_checkpoint(path, model, [opt])
+    model = shard_model(build_model(cfg, seed=1, device=device), "ours", mp_policy=mp)
+    opt = OPTIMIZERS[name](model)
+    ro.load_checkpoint(path, model, [opt])
+    _step(model, opt, *batches[2])  # (a first step of this optimizer object: its one-time checks)
+    steps = [st["step"] for st in opt.state.values() if isinstance(st.get("step"), torch.Tensor)]
+    out = {"step_counters_on_cpu": all(t.device.type == "cpu" for t in steps)}
+    torch.cuda.synchronize()
+    set_nonfinite_policy(opt, "off")
+    try:
+        torch.cuda.set_sync_debug_mode("error")
+        _step(model, opt, *batches[3])
+        out["sync_free_step"] = True
+    except RuntimeError as e:
+        out["sync_free_step"] = False
+        out["error"] = str(e).splitlines()[0][:300]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    out["ok"] = out["step_counters_on_cpu"] and out["sync_free_step"]
+    return out
+
+
 def _parity(cfg, device) -> dict:
     """Ours and torch FSDP2 (the control: its distance is what sharding on this GPU costs) against one process."""
     models = {
@@ -128,10 +163,14 @@ def main() -> int:
     result = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__}
     try:
         for name in OPTIMIZERS:
-            try:
-                result[name] = _sync_check(name, cfg, device)
-            except Exception as e:  # report and go on: one optimizer's failure must not hide the others
-                result[name] = {"ok": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+            checks = [(name, _sync_check)] + (
+                [(f"{name}_resumed", _resumed_sync_check)] if name != "torch_adamw" else []
+            )
+            for key, check in checks:
+                try:
+                    result[key] = check(name, cfg, device)
+                except Exception as e:  # report and go on: one optimizer's failure must not hide the others
+                    result[key] = {"ok": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
         result["parity_adamw"] = _parity(cfg, device)
     finally:
         dist.destroy_process_group()
