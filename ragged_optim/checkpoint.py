@@ -365,13 +365,21 @@ def save_checkpoint(
             shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"writing checkpoint {path!r} failed: {_describe_failure(e)}") from e
     _barrier()  # every rank's data is on disk
+    problem = None
     if _rank() == 0:
         world = dist.get_world_size() if _dist_on() else 1
         meta = {"version": FORMAT_VERSION, "world_size": world, "optimizers": records, "extra": extra}
-        torch.save(meta, os.path.join(tmp, META_FILE))
-        _write_marker(tmp, f"ragged-optim checkpoint v{FORMAT_VERSION}, world size {world}\n")
-        _publish(tmp, path, token)
-    _barrier()
+        try:
+            torch.save(meta, os.path.join(tmp, META_FILE))
+            _write_marker(tmp, f"ragged-optim checkpoint v{FORMAT_VERSION}, world size {world}\n")
+            _publish(tmp, path, token)
+        except OSError as e:  # every rank raises, not rank 0 alone (the others would wait for it)
+            shutil.rmtree(tmp, ignore_errors=True)
+            why = f"{type(e).__name__}: {e}"
+            problem = f"finishing checkpoint {path!r} failed: {why}; any older checkpoint there is kept"
+    problem = _broadcast_obj(problem)
+    if problem:
+        raise CheckpointError(problem)
     return path
 
 
@@ -388,7 +396,12 @@ def _publish(tmp: str, path: str, token: str) -> None:
     if os.path.exists(path):
         old = f"{path}.old-{token}"
         os.replace(path, old)
-    os.replace(tmp, path)
+    try:
+        os.replace(tmp, path)
+    except OSError:
+        if old is not None:  # put the older checkpoint back
+            os.replace(old, path)
+        raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 

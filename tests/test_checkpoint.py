@@ -568,3 +568,36 @@ def test_disk_full_while_saving_keeps_the_older_checkpoint(tmp_path):
     assert is_complete(path) and not glob.glob(path + ".tmp-*")
     meta = torch.load(os.path.join(path, "meta.pt"), weights_only=False)
     assert meta["extra"] == {"step": 1}
+
+
+def publish_fails_on_rank_0(rank, world, path):
+    model = shard_default(DefaultNet())
+    opts = make_default_optimizers(model)
+    train(model, opts, 0, 1)
+    save_checkpoint(path, model, opts, extra={"step": 1})  # an older checkpoint at path
+    train(model, opts, 1, 2)
+    real = os.replace
+
+    def replace(src, dst):  # the rename that publishes the new checkpoint fails (rank 0 does it alone)
+        if ".tmp-" in os.fspath(src) and os.fspath(dst) == path:
+            raise OSError(28, "No space left on device")
+        return real(src, dst)
+
+    os.replace = replace
+    try:
+        save_checkpoint(path, model, opts, extra={"step": 2})
+        err = None
+    except CheckpointError as e:
+        err = str(e)
+    finally:
+        os.replace = real
+    fresh = shard_default(DefaultNet())
+    return err, load_checkpoint(path, fresh, make_default_optimizers(fresh))
+
+
+def test_a_failure_to_publish_raises_on_every_rank_and_keeps_the_older_checkpoint(tmp_path):
+    """Before: rank 0 raised OSError alone while the others waited for it at the last barrier (until the timeout),
+    and the older checkpoint had been moved aside."""
+    for err, extra in run_on_ranks(publish_fails_on_rank_0, 2, str(tmp_path / "ckpt"), timeout_s=60):
+        assert err is not None and "finishing checkpoint" in err and "No space left on device" in err
+        assert extra == {"step": 1}
