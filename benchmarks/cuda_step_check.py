@@ -55,6 +55,19 @@ def _step(model, opt, x, y):
     opt.zero_grad(set_to_none=True)
 
 
+def _sync_free_step(model, opt, batch) -> dict:
+    """One step under set_sync_debug_mode("error"): ``{"sync_free_step": bool}`` (and the error)."""
+    torch.cuda.synchronize()
+    try:
+        torch.cuda.set_sync_debug_mode("error")
+        _step(model, opt, *batch)
+        return {"sync_free_step": True}
+    except RuntimeError as e:
+        return {"sync_free_step": False, "error": str(e).splitlines()[0][:300]}
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def _sync_check(name, cfg, device) -> dict:
     model = build_model(cfg, seed=0, device=device)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -64,19 +77,9 @@ def _sync_check(name, cfg, device) -> dict:
     for b in batches[:2]:
         _step(model, opt, *b)
     ours = type(opt).__module__.startswith("ragged_optim")  # ours have the non-finite check
-    torch.cuda.synchronize()
-    out = {}
-    try:
-        if ours:
-            set_nonfinite_policy(opt, "off")
-        torch.cuda.set_sync_debug_mode("error")
-        _step(model, opt, *batches[2])
-        out["sync_free_step"] = True
-    except RuntimeError as e:
-        out["sync_free_step"] = False
-        out["error"] = str(e).splitlines()[0][:300]
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    if ours:
+        set_nonfinite_policy(opt, "off")
+    out = _sync_free_step(model, opt, batches[2])
     if ours:
         set_nonfinite_policy(opt, "skip")
         with warnings.catch_warnings(record=True) as caught:
@@ -107,18 +110,11 @@ def _resumed_sync_check(name, cfg, device) -> dict:
     ro.load_checkpoint(path, model, [opt])
     _step(model, opt, *batches[2])  # (a first step of this optimizer object: its one-time checks)
     steps = [st["step"] for st in opt.state.values() if isinstance(st.get("step"), torch.Tensor)]
-    out = {"step_counters_on_cpu": all(t.device.type == "cpu" for t in steps)}
-    torch.cuda.synchronize()
     set_nonfinite_policy(opt, "off")
-    try:
-        torch.cuda.set_sync_debug_mode("error")
-        _step(model, opt, *batches[3])
-        out["sync_free_step"] = True
-    except RuntimeError as e:
-        out["sync_free_step"] = False
-        out["error"] = str(e).splitlines()[0][:300]
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    out = {
+        "step_counters_on_cpu": all(t.device.type == "cpu" for t in steps),
+        **_sync_free_step(model, opt, batches[3]),
+    }
     out["ok"] = out["step_counters_on_cpu"] and out["sync_free_step"]
     return out
 
