@@ -305,3 +305,22 @@ def test_meta_model_with_a_block_policy():
     NotImplementedError: Cannot copy out of meta tensor."""
     for shapes in run_on_ranks(_meta_with_block_policy, 2):
         assert shapes == [(70, 33), (70,), (33, 70), (33,)]
+
+
+def _optimizer_on_meta(rank, world_size):
+    from ragged_optim.optim import Muon
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(33, 70), nn.Linear(70, 33))
+    fully_shard(model)
+    try:
+        Muon(model.parameters())
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_an_optimizer_built_on_meta_params_is_a_clear_error():
+    """Before: NotImplementedError from an .item() on a meta tensor inside the layout's rank agreement check."""
+    for err in run_on_ranks(_optimizer_on_meta, 2):
+        assert err is not None and "still on the meta device" in err and "after model.to_empty" in err

@@ -112,6 +112,13 @@ def declare_blocks(entries: Sequence[tuple[Tensor, BlockSpec]], *, allow_split: 
             continue
         unit = info.unit
         by_unit.setdefault(id(unit), (unit, {}))[1][info.index] = spec
+    for unit, specs in by_unit.values():
+        if unit.device.type == "meta" and unit.world_size > 1 and specs:
+            raise RuntimeError(
+                f"an optimizer was built on params still on the meta device ({unit.names[0]!r}, ...): its block "
+                "layout re-plans their units, which moves data between ranks. Build optimizers after "
+                "model.to_empty(device=...) and ro.init_weights(model)"
+            )
     _check_ranks_agree(list(by_unit.values()), allow_split)
     groups: dict = {}
     for unit, specs in by_unit.values():
