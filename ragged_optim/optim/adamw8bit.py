@@ -50,7 +50,7 @@ from ragged_optim.kernels.adamw8bit_ref import ieee_sqrt_
 from ragged_optim.optim.base import full_shape, is_dtensor, local, process_group
 from ragged_optim.optim.blocks import local_range
 from ragged_optim.optim.muon import adamw_group_update_
-from ragged_optim.optim.optimizer import RaggedOptimizer, _steps_on_cpu, check_int, check_real, check_reals
+from ragged_optim.optim.optimizer import RaggedOptimizer, check_int, check_real, check_reals
 from ragged_optim.sharding import BlockSpec, shard_info
 
 __all__ = ["AdamW8bit", "DEFAULT_QMAPS", "STATE_KEYS_8BIT"]
@@ -322,7 +322,7 @@ class AdamW8bit(RaggedOptimizer):
             raise
 
     def _load_into(self, plain: dict[str, Any], state_dict: dict[str, Any], codes: dict) -> None:
-        torch.optim.Optimizer.load_state_dict(self, _steps_on_cpu(plain))
+        torch.optim.Optimizer.load_state_dict(self, plain)
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
         for k, p in zip(saved_ids, params):

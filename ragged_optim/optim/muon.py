@@ -264,8 +264,14 @@ class Muon(RaggedOptimizer):
     #: which keeps every Muon param's update alive until the batch is done (False: one at a time, except for params
     #: whose matrices a rank boundary cuts, which are exchanged together).
     ns_batched_matmul: bool = False
-    _settings_attrs = (*RaggedOptimizer._settings_attrs, "wire_dtype", "ns_matmul", "foreach", "ns_batched_matmul")
-    _settings_attrs += ("_split_by_shape",)
+    _settings_attrs = (
+        *RaggedOptimizer._settings_attrs,
+        "wire_dtype",
+        "ns_matmul",
+        "foreach",
+        "ns_batched_matmul",
+        "_split_by_shape",
+    )
 
     def __init__(
         self,

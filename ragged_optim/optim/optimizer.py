@@ -9,11 +9,11 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from ragged_optim.optim.base import full_shape, is_dtensor, local, scalar
+from ragged_optim.optim.base import full_shape, is_dtensor, local, process_group, scalar
 from ragged_optim.optim.blocks import BlockOptimizer
 from ragged_optim.optim.nonfinite import guard_step
-from ragged_optim.sharding import shard_info
 from ragged_optim.sharding.state_dict import optimizer_state_from_dcp
 
 
@@ -199,7 +199,7 @@ class RaggedOptimizer(BlockOptimizer):
         pre, post = self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks
         self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks = {}, {}
         try:
-            self._load_checked_state_dict(optimizer_state_from_dcp(self, self._dtypes_back(state_dict)))
+            self._load_checked_state_dict(_steps_on_cpu(optimizer_state_from_dcp(self, self._dtypes_back(state_dict))))
         finally:
             self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks = pre, post
         for hook in list(post.values()):
@@ -208,15 +208,15 @@ class RaggedOptimizer(BlockOptimizer):
     def _load_checked_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Check ``state_dict`` (its hooks run, its state as local pieces), then load it with torch's loader."""
         self._check_state_dict(state_dict)
-        torch.optim.Optimizer.load_state_dict(self, _steps_on_cpu(state_dict))
+        torch.optim.Optimizer.load_state_dict(self, state_dict)
 
 
 def _steps_on_cpu(state_dict: dict[str, Any]) -> dict[str, Any]:
     """``state_dict`` with every 0-d ``step`` counter on the CPU, where our optimizers keep it: torch's loader leaves
     it where it comes (a checkpoint read onto the params' GPU), and every step reads it on the host."""
-    state = state_dict.get("state")
+    state = state_dict.get("state") if isinstance(state_dict, dict) else None
     if not isinstance(state, dict):
-        return state_dict
+        return state_dict  # (the checks say what is wrong)
     moved = {}
     for k, st in state.items():
         step = st.get("step") if isinstance(st, dict) else None
@@ -224,14 +224,6 @@ def _steps_on_cpu(state_dict: dict[str, Any]) -> dict[str, Any]:
             st = {**st, "step": step.cpu()}
         moved[k] = st
     return {**state_dict, "state": moved}
-
-
-def _is_distributed(p: torch.Tensor) -> bool:
-    """Whether ``p``'s blocks may be computed on other ranks (ragged-sharded or a DTensor, over more than one)."""
-    info = shard_info(p)
-    if info is not None:
-        return info.unit.world_size > 1
-    return is_dtensor(p) and p.device_mesh.size() > 1
 
 
 def _as_dtype(v):
@@ -305,7 +297,8 @@ class BandPreconditionerChecks:
             if not isinstance(bands, dict):
                 continue
             cls = type(self).__name__
-            if any(isinstance(k, str) for k in bands) and _is_distributed(p):
+            group = process_group(p)  # (bands on other ranks: a distributed param over more than one)
+            if any(isinstance(k, str) for k in bands) and group is not None and dist.get_world_size(group) > 1:
                 raise ValueError(
                     f"{cls}.load_state_dict: the saved bands of {self._param_label(gi, i)} have string keys: this "
                     "state came through torch's set_state_dict(..., full_state_dict=True), which holds the saving "
