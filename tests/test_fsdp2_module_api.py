@@ -7,6 +7,7 @@ One run of 2 gloo ranks computes every case (a module-scoped fixture)."""
 
 import pytest
 import torch
+from noise_bounds import allowed, magnitude, max_abs_gap
 from test_fully_shard_misuse import _err
 from torch import nn
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -99,10 +100,13 @@ def test_unshard_before_forward_trains_as_fsdp2(ranks, case):
     unshard() put on the module was taken for a user's new Parameter); ``async_op`` was an unexpected keyword."""
     for r in ranks:
         assert _equal(r["ours", case], r["ours", "plain"])
-        # FSDP2 reduces in its own order: its grads are within float noise of ours, the loss is the same forward
+        # FSDP2 doing the same: the same forward; its grads (reduced in its own order) as far from ours as
+        # without unshard() in the same run
         assert r["ours", case][0] == r["fsdp2", case][0]
-        for a, b in zip(r["ours", case][1], r["fsdp2", case][1]):
-            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        grads = {k: dict(enumerate(r[k, case][1])) for k in SHARDERS}
+        plain = {k: dict(enumerate(r[k, "plain"][1])) for k in SHARDERS}
+        reference = max_abs_gap(plain["ours"], plain["fsdp2"])
+        assert max_abs_gap(grads["ours"], grads["fsdp2"]) <= allowed(reference, magnitude(plain["ours"]))
     assert all(r["ours", "unshard_shape"] == r["fsdp2", "unshard_shape"] == (3, 5) for r in ranks)
     assert all(r["ours", "async_handle"] and r["fsdp2", "async_handle"] for r in ranks)
 
