@@ -91,9 +91,12 @@ class FlatUnit:
         self.stale = True
         self.streams = NO_STREAMS  # the root's side streams, bound at each iteration's start (see streams.py)
         self.pending_gather = None  # (work, staging tensor, version, event) of an all-gather in flight
-        self.pending_reduce = None  # (work, output, op, post-divisor, event) of a reduce-scatter in flight
+        self.pending_reduce = None  # (work, output, op, post-divisor, event, params to land) of a reduce-scatter
         self.reduce_input = None  # the flat grads a reduce-scatter in flight reads
         self.unsynced_grad = None  # [W*S] reduce dtype: grads of no-sync backwards when it differs from the param's
+        # params that were trainable in some backward whose grads are not yet reduced: they get the reduced grad
+        # even if frozen since (requires_grad_(False) between micro-batches keeps what was accumulated, as in torch)
+        self.accumulating: set[int] = set()
         self.requires_grad_sync = True
         self._build_unsharded_params()
         self.set_sharded_attrs()
@@ -423,12 +426,19 @@ class FlatUnit:
             for i, up in enumerate(self.unsharded_params):
                 if up.requires_grad:
                     up.grad = self._full_slice(self.grad_buf, i)
+        self.accumulating.update(i for i, rg in enumerate(self.requires_grad) if rg)
+
+    @property
+    def holds_unreduced_grads(self) -> bool:
+        """Grads of an earlier no-sync backward wait here for a synced backward to reduce them."""
+        return self.grad_buf is not None or self.unsynced_grad is not None
 
     def drop_grad_buffers(self):
         for up in self.unsharded_params:
             up.grad = None
         self.grad_buf = None
         self.unsynced_grad = None
+        self.accumulating.clear()
 
     def collect_stray_grads(self):
         """Autograd replaces a preset .grad in rare cases (e.g. a grad of another layout); fold those back."""
@@ -477,7 +487,9 @@ class FlatUnit:
                 return self._all_reduce_replicas_on_stream(out, op)
 
         work, event = s.issue(s.reduce_stream, reduce)
-        self.pending_reduce = (work, out, op, post, event)
+        landing = sorted(self.accumulating | {i for i, rg in enumerate(self.requires_grad) if rg})
+        self.accumulating.clear()
+        self.pending_reduce = (work, out, op, post, event, landing)
         self.reduce_input = full  # alive until the reduce-scatter is done
         return True
 
@@ -524,7 +536,7 @@ class FlatUnit:
         """Wait for the reduce-scatter, average, and land the result in the sharded params' .grad."""
         if self.pending_reduce is None:
             return
-        work, out, op, post, event = self.pending_reduce
+        work, out, op, post, event, trainable = self.pending_reduce
         self.streams.complete(work, event)
         self.pending_reduce = None
         self.reduce_input = None
@@ -533,7 +545,6 @@ class FlatUnit:
         out = out.to(self.dtype)
         if post != 1.0:
             out.div_(post)
-        trainable = [i for i, rg in enumerate(self.requires_grad) if rg]
         kept = [self.sharded_params[i].grad for i in trainable if self.sharded_params[i].grad is not None]
         buf = self.sharded_grad
         if kept and buf is not None and all(_same_storage(g, buf) for g in kept):

@@ -203,16 +203,17 @@ def _check_reshard_after_forward(value):
 
 
 def _collect_params(module: nn.Module):
-    """Params under ``module`` not owned by an inner unit, deduplicated (tied weights), in registration order."""
-    params, names, refs, seen = [], [], [], {}
+    """Params under ``module`` not owned by an inner unit, deduplicated (tied weights), in registration order; and
+    the ties to a param an earlier call outside ``module`` sharded: (name here, that module, its name for it)."""
+    params, names, refs, seen, outside = [], [], [], {}, []
     inside = {id(m) for m in module.modules()}
     for mod_name, mod in module.named_modules(remove_duplicate=False):
         for attr, p in mod._parameters.items():
             if p is None:
                 continue
+            name = f"{mod_name}.{attr}" if mod_name else attr
             if (info := shard_info(p)) is not None:
                 if id(info.unit.module) not in inside:  # an enclosing module was sharded first
-                    name = f"{mod_name}.{attr}" if mod_name else attr
                     raise ValueError(
                         f"fully_shard: param {name!r} of this "
                         f"{type(module).__name__} already belongs to the unit of an enclosing "
@@ -226,22 +227,37 @@ def _collect_params(module: nn.Module):
                 continue
             holder = getattr(p, _REPLACED_IN_ATTR, lambda: None)()
             if holder is not None and id(holder) in inside:  # tied to a param an inner unit of this tree sharded
-                name = f"{mod_name}.{attr}" if mod_name else attr
                 where = next((n for n, m in module.named_modules() if m is holder and n), None)
                 owner = getattr(p, REPLACED_ATTR)
-                owner = f"{where}.{owner}" if where else owner
-                raise ValueError(
-                    f"fully_shard: param {name!r} of this {type(module).__name__} is the same tensor as {owner!r}, "
-                    "which an earlier fully_shard call already sharded into its own unit: tied (shared) weights "
-                    "must be in one unit, or training would untie them. Don't call fully_shard on a module that "
-                    "holds only one side of a tie (e.g. the LM head tied to the embedding): leave both to the "
-                    "enclosing call (fully_shard(model))"
-                )
+                raise ValueError(_tie_message(module, name, f"{where}.{owner}" if where else owner))
+            if holder is not None:  # a sibling's unit, or another model's: an error once one call encloses both
+                outside.append((name, weakref.ref(holder), getattr(p, REPLACED_ATTR)))
             seen[id(p)] = len(params)
             params.append(p)
-            names.append(f"{mod_name}.{attr}" if mod_name else attr)
+            names.append(name)
             refs.append([(mod, attr)])
-    return params, names, refs
+    return params, names, refs, outside
+
+
+def _tie_message(module: nn.Module, name: str, other: str) -> str:
+    return (
+        f"fully_shard: param {name!r} of this {type(module).__name__} is the same tensor as {other!r}, which another "
+        "fully_shard call sharded into its own unit: tied (shared) weights must be in one unit, or training would "
+        "untie them. Don't call fully_shard on a module that holds only one side of a tie (e.g. the LM head tied to "
+        "the embedding): leave both to the enclosing call (fully_shard(model))"
+    )
+
+
+def _check_no_split_ties(module: nn.Module) -> None:
+    """Two earlier calls under ``module`` (siblings: ``fully_shard(m.emb); fully_shard(m.head)``) each took one
+    side of a tie: refused here, at the call that encloses both, as FSDP2 refuses it. Two separate models that share
+    a tensor are not a tie of one tree, and are left alone."""
+    paths = {id(m): n for n, m in module.named_modules()}
+    for m in module.modules():
+        for name, holder, owner in getattr(state_of(m), "ties_outside", ()):
+            if (h := holder()) is not None and id(h) in paths:
+                here = ".".join(x for x in (paths[id(m)], name) if x)
+                raise ValueError(_tie_message(module, here, ".".join(x for x in (paths[id(h)], owner) if x)))
 
 
 def _check_params(module: nn.Module, params, names):
@@ -294,7 +310,8 @@ def fully_shard(
     _check_args(module, reshard_after_forward, mp_policy, block_policy, comm_policy)
     if state_of(module) is not None:
         raise ValueError(f"fully_shard was already called on this {type(module).__name__}; call it once per module")
-    params, names, refs = _collect_params(module)
+    params, names, refs, ties_outside = _collect_params(module)
+    _check_no_split_ties(module)
     # Hooks run around forward: a ModuleList or ModuleDict has none, so its submodules' own forward would see the
     # sharded params. (Other modules without forward are left alone: tests and optimizer-only uses set grads by hand
     # or call unshard().) An empty unit, every param already in an inner unit, is harmless.
@@ -339,6 +356,7 @@ def fully_shard(
             unit.relayout(specs)
     # None: see the docstring
     state = ModuleState(module, units, reshard_after_forward=reshard_after_forward is not False)
+    state.ties_outside = ties_outside
     setattr(module, _STATE_ATTR, state)
     module.register_forward_pre_hook(_pre_forward_hook, prepend=True, with_kwargs=True)
     module.register_forward_hook(_post_forward_hook, always_call=True)

@@ -137,7 +137,7 @@ class RootContext:
 
     def _final_callback(self) -> None:
         for s in self.states:  # units whose inputs needed no grad: their post-backward runs here, in a fixed order
-            if s.training_state != TrainingState.IDLE or s.post_forward_indices:
+            if s.training_state != TrainingState.IDLE or s.post_forward_indices or s.has_grads_to_sync():
                 s.post_backward()
             s.training_state = TrainingState.IDLE
         while self.reduces_in_flight:
@@ -161,6 +161,9 @@ class ModuleState:
         self.is_root: bool | None = None  # fixed at lazy init: the first module to run forward is the root
         self.training_state = TrainingState.IDLE
         self.post_forward_indices: list[int] = []
+        # (param name here, weakref to the module whose fully_shard took the other side, its name there): ties to a
+        # param sharded by a call outside this module, refused by a later call that encloses both (fully_shard.py)
+        self.ties_outside: list[tuple] = []
 
     # ----- lazy init --------------------------------------------------------------------------------------
     def lazy_init(self, states_under) -> RootContext:
@@ -275,6 +278,11 @@ class ModuleState:
                 if nxt.training_state != TrainingState.PRE_BACKWARD:
                     for u in nxt.units:
                         u.start_unshard()
+
+    def has_grads_to_sync(self) -> bool:
+        """A unit that ran only in earlier no-sync micro-batches (a task head, a skipped layer) holds their grads;
+        the synced backward reduces them even though this unit is not in its graph."""
+        return any(u.holds_unreduced_grads and u.requires_grad_sync for u in self.units)
 
     def post_backward(self):
         """Reduce-scatter what this unit's backward produced and reshard. Runs once per use of the module in

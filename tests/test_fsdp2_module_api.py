@@ -1,6 +1,7 @@
 """FSDP2's module-level API and entry points on ragged units, with torch FSDP2 doing the same in the same ranks:
 ``unshard()`` / ``unshard(async_op=True)`` before a forward, a first forward under ``torch.inference_mode()``, and
-weights tied across two ``fully_shard`` calls (refused, as FSDP2 refuses them; before, ours silently untied them),
+weights tied across two ``fully_shard`` calls, nested or siblings (refused, as FSDP2 refuses them; before, ours
+silently untied them),
 buffers that follow the params to the mesh's device.
 
 One run of 2 gloo ranks computes every case (a module-scoped fixture)."""
@@ -73,6 +74,10 @@ def _on_ranks(rank, world_size):
         shard(tied.head)  # one side of the tie in a unit of its own
         out[name, "tied_two_units"] = _err(lambda t=tied, s=shard: s(t)) or _err(lambda t=tied: t(torch.tensor([[1]])))
         out[name, "tied_root_has_no_state"] = not hasattr(tied, "_ragged_state")
+        tied = _Tied()
+        shard(tied.emb)  # each side of the tie in a sibling unit (torchtitan's per-module style)
+        shard(tied.head)
+        out[name, "tied_siblings"] = _err(lambda t=tied, s=shard: s(t)) or _err(lambda t=tied: t(torch.tensor([[1]])))
         a, b = _Tied(), _Tied()
         b.emb.weight = b.head.weight = a.emb.weight  # one tensor in two models (e.g. a shared frozen embedding)
         shard(a)
@@ -127,6 +132,11 @@ def test_weights_tied_across_two_units_are_refused(ranks):
         assert err.startswith("ValueError: fully_shard: param 'emb.weight'") and "'head.weight'" in err
         assert "tied (shared) weights must be in one unit" in err
         assert r["ours", "tied_root_has_no_state"]
+        # each side in a sibling unit: refused at the call that encloses both (before: silently untied, 0.1 apart
+        # after 3 SGD steps)
+        assert r["fsdp2", "tied_siblings"].startswith("ValueError")
+        err = r["ours", "tied_siblings"]
+        assert err.startswith("ValueError: fully_shard: param 'head.weight'") and "'emb.weight'" in err, err
         # a tensor shared by two separately sharded models is not a tie inside one tree: both accept it
         assert r["ours", "shared_by_two_models"] is None and r["fsdp2", "shared_by_two_models"] is None
         assert r["ours", "tied_one_unit_params"] == 1
