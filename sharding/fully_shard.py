@@ -19,7 +19,7 @@ from ragged_optim.sharding.comm_policy import CommPolicy
 from ragged_optim.sharding.flat_unit import FlatUnit
 from ragged_optim.sharding.runtime import ModuleState, cast_floating
 from ragged_optim.sharding.sharded_param import shard_info
-from ragged_optim.sharding.state_dict import register_state_dict_hooks
+from ragged_optim.sharding.state_dict import loading_strict, register_state_dict_hooks
 
 _STATE_ATTR = "_ragged_state"
 #: set on each param a unit replaced (its name); the optimizers read it too (optim/nonfinite.py)
@@ -71,6 +71,12 @@ class RaggedFSDPModule:
         state = state_of(self)
         if state.ctx is not None:
             state.ctx.reset()
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """torch's, with ``strict`` seen by the checks that run before anything is written: torch passes its
+        load-state-dict hooks ``strict=True`` whatever the call said, and applies ``strict`` only at the end."""
+        with loading_strict(strict):
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def _apply(self, fn, recurse=True):
         """``to_empty``/``to(device)`` after sharding move each unit's flat shard as one tensor and re-point the

@@ -12,6 +12,8 @@ RaggedDTensor, 8-bit ``*_scales`` one over the param's blocks. See docs/checkpoi
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from typing import Any
 
 import torch
@@ -23,6 +25,7 @@ from ragged_optim.sharding.sharded_param import ShardInfo, shard_info
 __all__ = [
     "get_full_state_dict",
     "load_full_state_dict",
+    "loading_strict",
     "optimizer_state_from_dcp",
     "optimizer_state_to_dcp",
     "register_state_dict_hooks",
@@ -108,10 +111,23 @@ def _expected(module: nn.Module, prefix: str) -> dict[str, tuple]:
     return {k: (tuple(v.shape) if isinstance(v, torch.Tensor) else None) for k, v in sd.items()}
 
 
+_STRICT: contextvars.ContextVar[bool | None] = contextvars.ContextVar("ragged_load_strict", default=None)
+
+
+@contextlib.contextmanager
+def loading_strict(strict: bool):
+    """The ``strict`` of the ``load_state_dict`` call in progress on a sharded module (its hooks get True)."""
+    token = _STRICT.set(bool(strict))
+    try:
+        yield
+    finally:
+        _STRICT.reset(token)
+
+
 def check_state_dict(module: nn.Module, state_dict: dict, prefix: str, strict: bool) -> None:
     """Raise before anything is written when ``state_dict`` does not fit ``module`` (keys when ``strict``, shapes
     always). The shapes are the full ones: a ragged-sharded param takes its full tensor or a RaggedDTensor/DTensor of
-    its full shape."""
+    its full shape. ``strict=False`` leaves missing and unexpected keys to torch, which returns them as lists."""
     want = _expected(module, prefix)
     # torch's set_model_state_dict(full_state_dict=True) fills keys the caller left out with the params themselves
     own = {id(p) for p in module.parameters() if shard_info(p) is not None}
@@ -148,7 +164,8 @@ def _from_dcp(module, state_dict, prefix, local_metadata, strict, _missing, _une
         )
     checked = getattr(state_dict, "_ragged_checked", None)  # the outermost sharded module checks its whole tree
     if checked is None or not prefix.startswith(checked):
-        check_state_dict(module, state_dict, prefix, strict)
+        # the hook's strict is always True (see loading_strict); an unsharded parent's call: strict, all or nothing
+        check_state_dict(module, state_dict, prefix, strict if (called := _STRICT.get()) is None else called)
         try:
             state_dict._ragged_checked = prefix
         except AttributeError:  # a plain dict: each sharded module checks its own tree

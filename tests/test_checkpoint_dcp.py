@@ -251,6 +251,42 @@ def test_full_state_dict_load_is_all_or_nothing():
     assert "missing keys ['norm.bias']" in errors[1]
 
 
+def _edited(sd):
+    """A pretrained state dict for a changed model: two keys gone, two new ones."""
+    sd = dict(sd)
+    del sd["blocks.0.0.weight"], sd["norm.bias"]
+    sd["extra.weight"], sd["blocks.0.9.bias"] = torch.zeros(3), torch.zeros(2)
+    return sd
+
+
+def non_strict_loads(rank, world, kind):
+    full = IssueNet(seed=3).state_dict()
+    out = {}
+    for how in ("load_state_dict", "set_model_state_dict", "own_state_dict"):
+        model = SHARDERS[kind](IssueNet())
+        before = full_model(model)
+        if how == "load_state_dict":
+            r = model.load_state_dict(_edited(full), strict=False)
+        elif how == "set_model_state_dict":
+            r = set_model_state_dict(model, _edited(full), options=StateDictOptions(full_state_dict=True, strict=False))
+        else:  # the model's own (sharded) state dict, edited the same way
+            r = model.load_state_dict(_edited(SHARDERS[kind](IssueNet(seed=3)).state_dict()), strict=False)
+        got = full_model(model)
+        out[how] = (sorted(r.missing_keys), sorted(r.unexpected_keys))
+        out[how, "loaded"] = all(torch.equal(got[k], full[k]) for k in full if k not in ("blocks.0.0.weight", "norm.bias"))
+        out[how, "missing_kept"] = torch.equal(got["norm.bias"], before["norm.bias"])
+    return out
+
+
+def test_non_strict_loads_return_missing_and_unexpected_keys_as_torch_does():
+    """Before: ``strict=False`` was ignored (torch calls load hooks with strict=True): ``RuntimeError: ... nothing was
+    loaded: missing keys [...]; unexpected keys [...]``. The plain model is the control."""
+    plain = run_on_ranks(non_strict_loads, 1, "plain")[0]
+    assert plain["load_state_dict"] == (["blocks.0.0.weight", "norm.bias"], ["blocks.0.9.bias", "extra.weight"])
+    for r in run_on_ranks(non_strict_loads, 3, "ours"):
+        assert r == plain
+
+
 def local_pieces_refused(rank, world):
     model = ours(IssueNet())
     pieces = {n: p.detach().clone() for n, p in model.named_parameters()}  # what main's state_dict() gave
