@@ -9,6 +9,8 @@ from .adamw8bit import (
     STATE_FORMAT_VERSION,
     adamw8bit_constants,
     adamw8bit_m_bound,
+    adamw8bit_m_bound_of,
+    adamw8bit_m_bound_sq_next,
     adamw8bit_step,
     init_adamw8bit_state,
 )
@@ -21,6 +23,8 @@ __all__ = [
     "STATE_FORMAT_VERSION",
     "adamw8bit_constants",
     "adamw8bit_m_bound",
+    "adamw8bit_m_bound_of",
+    "adamw8bit_m_bound_sq_next",
     "adamw8bit_step",
     "code_dtype",
     "dequantize_blockwise",

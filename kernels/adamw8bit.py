@@ -65,6 +65,22 @@ def adamw8bit_m_bound(step: int, beta1: float, beta2: float) -> float:
     return _f32((1.0 - beta1) * math.sqrt(s / (1.0 - beta2)))
 
 
+def adamw8bit_m_bound_sq_next(prev: float, beta1: float, beta2: float) -> float:
+    """``C_t**2`` after one more step with these betas, from ``C_(t-1)**2`` (0 before step 1): with betas that change
+    between steps (a schedule, or ``param_groups`` edited), ``m_t = sum_k a_k g_(t-k)`` and ``v_t = sum_k c_k
+    g_(t-k)**2`` have other weights than :func:`adamw8bit_m_bound` assumes, and Cauchy-Schwarz gives ``C_t**2 =
+    sum_k a_k**2 / c_k``, which each step maps to ``(1-b1)**2 / (1-b2) + (b1**2 / b2) * C_(t-1)**2``. For constant
+    betas it is :func:`adamw8bit_m_bound` squared (up to float64 rounding). inf when unbounded (``beta2 == 0``)."""
+    if beta2 == 0.0 or math.isinf(prev):
+        return math.inf
+    return (1.0 - beta1) ** 2 / (1.0 - beta2) + beta1 * beta1 / beta2 * prev
+
+
+def adamw8bit_m_bound_of(bound_sq: float) -> float:
+    """``C_t`` as the kernels take it (an fp32 value) from :func:`adamw8bit_m_bound_sq_next`'s running value."""
+    return _f32(math.sqrt(bound_sq))
+
+
 def init_adamw8bit_state(numel: int, block_size: int, device=None) -> dict[str, torch.Tensor]:
     """Zero state (both moments exactly 0) for a chunk of ``numel`` elements."""
     nb = num_blocks(numel, block_size)
@@ -100,6 +116,7 @@ def adamw8bit_step(
     weight_decay: float = 0.0,
     block_size: int = 256,
     impl: str | None = None,
+    m_bound: float | None = None,
 ) -> None:
     """One AdamW step on a contiguous run of whole blocks, in place on ``p`` and the four state tensors.
 
@@ -108,7 +125,8 @@ def adamw8bit_step(
     (decoupled weight decay): ``p *= 1 - lr*wd; m = b1*m + (1-b1)*g; v = b2*v + (1-b2)*g*g;
     m = clamp(m, -C_t sqrt(v), C_t sqrt(v))`` (:func:`adamw8bit_m_bound`: a no-op for exact moments);
     ``p -= lr/(1-b1**t) * m / (sqrt(v)/sqrt(1-b2**t) + eps)``, then ``m`` and ``sqrt(v)`` are requantized per
-    block (``v_codes``/``v_scales`` hold ``sqrt(v)``)."""
+    block (``v_codes``/``v_scales`` hold ``sqrt(v)``). ``m_bound``: ``C_t`` when the betas changed during the run
+    (``sqrt`` of :func:`adamw8bit_m_bound_sq_next`'s running value); None: constant betas, from ``step``."""
     check_block_size(block_size)
     n = p.numel()
     nb = num_blocks(n, block_size)
@@ -129,7 +147,8 @@ def adamw8bit_step(
                 f"{name} must be a contiguous {dt} tensor of {size} elements on {p.device} "
                 f"(block_size={block_size}), got {t.dtype} {tuple(t.shape)} on {t.device}"
             )
-    consts = (*adamw8bit_constants(step, lr, beta1, beta2, eps, weight_decay), adamw8bit_m_bound(step, beta1, beta2))
+    bound = adamw8bit_m_bound(step, beta1, beta2) if m_bound is None else _f32(m_bound)
+    consts = (*adamw8bit_constants(step, lr, beta1, beta2, eps, weight_decay), bound)
     args = (p.view(-1), g.view(-1), m_codes.view(-1), m_scales, v_codes.view(-1), v_scales, block_size, consts)
     if choose_impl(p, impl) == "triton":
         from .adamw8bit_triton import adamw8bit_triton

@@ -40,6 +40,8 @@ from ragged_optim.kernels import (
     STATE_FORMAT_VERSION,
     adamw8bit_constants,
     adamw8bit_m_bound,
+    adamw8bit_m_bound_of,
+    adamw8bit_m_bound_sq_next,
     adamw8bit_step,
     code_dtype,
     dequantize_blockwise,
@@ -273,6 +275,7 @@ class AdamW8bit(RaggedOptimizer):
     def _init_8bit_state(self, state: dict, parts: list[tuple[int, int]], group: dict[str, Any], device) -> None:
         bs = group["block_size"]
         state["step"] = torch.tensor(0.0, dtype=torch.float32, device="cpu")
+        state["m_bound_sq"] = 0.0  # C_t**2 of the m clamp, kept per step as the betas may change (kernels)
         for key, fmt in zip(("exp_avg", "exp_avg_sq"), group["qmaps"]):
             q = [quantize_blockwise(torch.zeros(n, device=device), bs, fmt) for n, _ in parts]
             if len(q) == 1:
@@ -345,6 +348,9 @@ class AdamW8bit(RaggedOptimizer):
                         if isinstance(state.get(k), Tensor):
                             state[k] = state[k].to(torch.float32)
                     self._check_8bit_state(p, state, self._state_parts(p, group), group)
+                    if "m_bound_sq" not in state:  # saved before it was kept: as if the betas had been constant
+                        step = int(state["step"])
+                        state["m_bound_sq"] = adamw8bit_m_bound(step, *group["betas"]) ** 2 if step else 0.0
                     if version == 1:
                         self._convert_v_to_sqrt(p, state, group)
                         converted += 1
@@ -432,6 +438,7 @@ class AdamW8bit(RaggedOptimizer):
             lr=self._group_lr(group),
             eps=group["eps"],
             weight_decay=group["weight_decay"],
+            m_bound=adamw8bit_m_bound_of(state["m_bound_sq"]),
         )
         if group["qmaps"] == DEFAULT_QMAPS:
             adamw8bit_step(
@@ -468,6 +475,7 @@ class AdamW8bit(RaggedOptimizer):
             self._init_8bit_state(state, parts, group, lp.device)
         self._check_8bit_state(p, state, parts, group)
         state["step"] += 1
+        state["m_bound_sq"] = adamw8bit_m_bound_sq_next(state["m_bound_sq"], *group["betas"])
         if n == 0 and not dtensor:
             return None
         contiguous = lp.is_contiguous()
@@ -560,6 +568,7 @@ def _unfused_step(
     beta2: float,
     eps: float,
     weight_decay: float,
+    m_bound: float,
 ) -> None:
     """The fused kernel's arithmetic, in the same fp32 order, for any pair of formats (three passes)."""
     decay, b1, c1, b2, c2, inv_sqrt_bc2, eps32, step_size = adamw8bit_constants(
@@ -575,7 +584,7 @@ def _unfused_step(
     m.mul_(b1).add_(gf * c1)
     v.mul_(b2).add_((gf * gf).mul_(c2))
     r = ieee_sqrt_(v)
-    bound = r * adamw8bit_m_bound(step, beta1, beta2)
+    bound = r * m_bound
     m = torch.where(m > bound, bound, torch.where(m < -bound, -bound, m))
     denom = (r * inv_sqrt_bc2).add_(eps32)
     p.sub_(torch.div(m, denom).mul_(step_size))
