@@ -262,6 +262,9 @@ def optimizer_state_from_dcp(opt: torch.optim.Optimizer, state_dict: Any) -> Any
                     v = _local_piece(v, ranges, info.unit.rank, (nb,), (hi - lo,))
                 elif tuple(v.shape) == tuple(info.shape) or hasattr(v, "placements"):
                     v = _local_piece(v, _ranges(info), info.unit.rank, info.shape, p.shape)
+                elif k.endswith("_codes") and v.dim() == 1 and v.numel() == info.numel > p.numel():
+                    # 8-bit codes a plain param's optimizer saved flat (before its state dict shaped them like it)
+                    v = _local_piece(v.view(info.shape), _ranges(info), info.unit.rank, info.shape, p.shape)
             out[k] = v
         new_state[pid] = out
     return {**state_dict, "state": new_state}

@@ -126,6 +126,22 @@ def test_reshard_continues_exactly(tmp_path, ref, w_save, w_load):
     reshard_roundtrip(tmp_path, ref, w_save, w_load)
 
 
+def save_plain_run(_rank, _world, path):
+    model = Net()  # no fully_shard: plain params, one process
+    opts = make_optimizers(model)
+    train(model, opts, 0, SAVE_AT)
+    save_checkpoint(path, model, opts, extra={"step": SAVE_AT})
+    return True
+
+
+def test_plain_model_checkpoint_resumes_sharded(tmp_path, ref):
+    """A one-process model's checkpoint (its AdamW8bit codes held flat) resumes on 3 ranks. Before: ``CheckpointError:
+    ... state 'exp_avg_codes' ... has 640 elements but the param has 0 here``."""
+    path = str(tmp_path / "plain")
+    run_on_ranks(save_plain_run, 1, path)
+    assert_matches(run_on_ranks(resume_run, 3, path)[0], ref)
+
+
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(w_save=st.integers(1, 6), w_load=st.integers(1, 6))
 def test_reshard_hypothesis(tmp_path_factory, ref, w_save, w_load):

@@ -333,9 +333,9 @@ class AdamW8bit(RaggedOptimizer):
             for kk, vv in list(self.state[p].items()):
                 if isinstance(vv, Tensor):
                     self.state[p][kk] = vv.clone()
-            if codes.get(k):
+            if codes.get(k):  # flat, however they were saved (a plain param's state dict shapes them like it)
                 device = local(p).device
-                self.state[p].update({kk: vv.to(device=device).clone() for kk, vv in codes[k].items()})
+                self.state[p].update({kk: vv.to(device=device).reshape(-1).clone() for kk, vv in codes[k].items()})
         converted = 0
         for group in self.param_groups:
             group["betas"] = tuple(group["betas"])
@@ -382,6 +382,24 @@ class AdamW8bit(RaggedOptimizer):
             r = torch.where((r == 0) & (m != 0), m.abs(), r)
             quantize_blockwise(r, bs, v_fmt, codes=codes, scales=scales)
             n0, b0 = n0 + n, b0 + nb
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's, with the 8-bit codes of a plain param shaped like the param (views; the optimizer holds them
+        flat): a sharded model's state dict holds them at the param's full shape too, so torch's distributed
+        checkpoint moves them between a plain model and a sharded one. Loading takes either shape."""
+        sd = super().state_dict()
+        params = [p for g in self.param_groups for p in g["params"]]
+        ids = [i for g in sd["param_groups"] for i in g["params"]]
+        state = dict(sd["state"])
+        for pid, p in zip(ids, params):
+            st = state.get(pid)
+            if not st or shard_info(p) is not None or is_dtensor(p):
+                continue
+            state[pid] = {
+                k: v.view(p.shape) if k.endswith("_codes") and isinstance(v, Tensor) and v.numel() == p.numel() else v
+                for k, v in st.items()
+            }
+        return {**sd, "state": state}
 
     def dequantized_state(self, p: Tensor) -> dict[str, Tensor]:
         """``exp_avg`` and ``exp_avg_sq`` of ``p`` as fp32 tensors of this rank's local elements (flat for 8-bit
