@@ -45,6 +45,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ragged_optim.sharding import shard_info
 from ragged_optim.sharding.ragged_dtensor import RaggedDTensor
@@ -720,8 +721,8 @@ def load_checkpoint(
 
 def get_full_optimizer_state_dict(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
     """``opt.state_dict()`` as the same optimizer on the unsharded model would have it (a collective: call it on
-    every rank): element-wise state is gathered to full shape (8-bit codes stay flat, as the one-process optimizer
-    keeps them), 8-bit scales and Shampoo bands are merged from their ranks. ``param_names`` in each group lists
+    every rank): element-wise state is gathered to full shape (8-bit codes too, as the one-process AdamW8bit's
+    state_dict shows them), 8-bit scales and Shampoo bands are merged from their ranks. ``param_names`` in each group lists
     the params by model name. Load it into the unsharded model's optimizer with ``opt.load_state_dict``."""
     fqns = _opt_fqns(model, opt, 0)
     sd = opt.state_dict()
@@ -749,8 +750,7 @@ def get_full_optimizer_state_dict(model: nn.Module, opt: torch.optim.Optimizer) 
                     merged.update(part)
                 out[key] = dict(sorted(merged.items()))
             elif kind == "elem":
-                full = info.unit.gather_full(info.index, v.detach()).reshape(-1).cpu()
-                out[key] = full if key.endswith("_codes") else full.reshape(info.shape)
+                out[key] = info.unit.gather_full(info.index, v.detach()).reshape(info.shape).cpu()
             else:  # block
                 lo, _ = info.local_range
                 parts = _gather_objects((lo // group["block_size"], v.detach().cpu()))
@@ -802,15 +802,20 @@ def check_optimizer_state_dict(opt: torch.optim.Optimizer, state_dict: dict[str,
     for gi, g in enumerate(opt.param_groups):
         for i, p in enumerate(g["params"]):
             st = state_dict.get("state", {}).get(ids[starts[gi] + i])
+            fsdp2 = isinstance(p, DTensor) and shard_info(p) is None
+            # an FSDP2 param's state is its local rows (8-bit codes: its blocks, which AdamW8bit checks itself)
+            here = p.to_local().numel() if fsdp2 else p.numel()
             for key, v in (st or {}).items():
                 if not isinstance(v, torch.Tensor) or v.dim() == 0 or key.endswith("_scales"):
                     continue
-                if v.numel() != p.numel():
+                if fsdp2 and key.endswith("_codes"):
+                    continue
+                if v.numel() != here:
                     names = g.get("param_names")
                     named = f" ({names[i]!r})" if names else ""
                     raise ValueError(
                         f"{type(opt).__name__}.load_state_dict: state {key!r} of param_groups[{gi}]['params'][{i}]"
-                        f"{named} has {v.numel()} elements but the param has {p.numel()} here (full shape "
+                        f"{named} has {v.numel()} elements but the param has {here} here (full shape "
                         f"{_full_shape(p)}): the state dict is from another model, world size or layout. Use "
                         "ragged_optim.checkpoint.save_checkpoint/load_checkpoint to move state across world sizes"
                     )

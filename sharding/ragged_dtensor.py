@@ -29,7 +29,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from ragged_optim.comm.collectives import all_gather_flat, serves_cuda
 
-__all__ = ["RaggedDTensor", "RaggedShard", "flat_range_boxes", "ragged_dtensor"]
+__all__ = ["RaggedDTensor", "RaggedShard", "flat_range_boxes", "normalize_ranges", "ragged_dtensor"]
 
 Box = tuple[tuple[int, ...], tuple[int, ...], int, int]  # (offsets, sizes, flat start, flat end)
 
@@ -99,20 +99,40 @@ _ON_LOCAL = {
 }
 
 
+Pieces = tuple[tuple[int, int], ...]  # one rank's flat element ranges, in the order its local data holds them
+
+
+def normalize_ranges(ranges) -> tuple[Pieces, ...]:
+    """Every rank's ranges as pieces: a rank's entry is one ``(lo, hi)`` or a list of them."""
+    out = []
+    for r in ranges:
+        r = tuple(r)
+        if len(r) == 2 and not isinstance(r[0], tuple | list):
+            out.append(((int(r[0]), int(r[1])),))
+        else:
+            out.append(tuple((int(a), int(b)) for a, b in r if b > a))
+    return tuple(out)
+
+
 class RaggedDTensor(DTensor):
     """A tensor of full shape ``shape`` of which this rank holds the flat elements ``ranges[rank]`` (``_local``, a
-    1-D view of the flat shard). Build it with :func:`ragged_dtensor`."""
+    1-D view of the flat shard; several ranges, concatenated, when a rank holds pieces, as AdamW8bit's state of an
+    FSDP2 param does). Build it with :func:`ragged_dtensor`."""
 
-    _ragged_ranges: tuple[tuple[int, int], ...]
+    _ragged_ranges: tuple[Pieces, ...]
     _ragged_rank: int
     _ragged_group: object
 
     # ----- DCP's chunk protocol ---------------------------------------------------------------------------
     def _boxes(self) -> list[Box]:
-        lo, hi = self._ragged_ranges[self._ragged_rank]
+        """This rank's boxes, with ``[start, end)`` their elements in the local data."""
         if math.prod(self.shape) == 0:  # no elements: rank 0 still records the (empty) tensor, shape and all
             return [((0,) * len(self.shape), tuple(self.shape), 0, 0)] if self._ragged_rank == 0 else []
-        return flat_range_boxes(self.shape, lo, hi)
+        out, pos = [], 0
+        for lo, hi in self._ragged_ranges[self._ragged_rank]:
+            out += [(off, size, pos + s - lo, pos + e - lo) for off, size, s, e in flat_range_boxes(self.shape, lo, hi)]
+            pos += hi - lo
+        return out
 
     def __create_write_items__(self, fqn: str, obj):
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
@@ -138,11 +158,10 @@ class RaggedDTensor(DTensor):
         return [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s, _, _ in self._boxes()]
 
     def __get_tensor_shard__(self, index):
-        lo = self._ragged_ranges[self._ragged_rank][0]
         want = tuple(index.offset) if index.offset is not None else None
         for off, size, s, e in self._boxes():
             if want is None or tuple(off) == want:
-                return self._local_tensor[s - lo : e - lo].view(size)
+                return self._local_tensor[s:e].view(size)
         raise ValueError(f"{index.fqn}: this rank holds no chunk at offset {want}")
 
     # ----- the full value ---------------------------------------------------------------------------------
@@ -151,16 +170,19 @@ class RaggedDTensor(DTensor):
         group = self._ragged_group
         world = len(self._ragged_ranges)
         local = self._local_tensor.reshape(-1)
-        width = max((hi - lo for lo, hi in self._ragged_ranges), default=0)
-        if world == 1:
+        width = max((sum(hi - lo for lo, hi in pieces) for pieces in self._ragged_ranges), default=0)
+        if world == 1 and local.numel() == math.prod(self.shape):
             return local.clone().view(self.shape)
         buf = torch.zeros(width, dtype=local.dtype, device=local.device)
         buf[: local.numel()] = local
         out = torch.empty(world * width, dtype=local.dtype, device=local.device)
         all_gather_flat(out, buf, group=group)
         full = torch.empty(math.prod(self.shape), dtype=local.dtype, device=local.device)
-        for r, (lo, hi) in enumerate(self._ragged_ranges):
-            full[lo:hi] = out[r * width : r * width + hi - lo]
+        for r, pieces in enumerate(self._ragged_ranges):
+            pos = r * width
+            for lo, hi in pieces:
+                full[lo:hi] = out[pos : pos + hi - lo]
+                pos += hi - lo
         return full.view(self.shape)
 
     def redistribute(self, device_mesh=None, placements=None, *, async_op=False, **_kw):
@@ -178,7 +200,8 @@ class RaggedDTensor(DTensor):
         return self._local_tensor
 
     @property
-    def ragged_range(self) -> tuple[int, int]:
+    def ragged_pieces(self) -> Pieces:
+        """This rank's flat element ranges, in the order of its local data."""
         return self._ragged_ranges[self._ragged_rank]
 
     # ----- ops -------------------------------------------------------------------------------------------
@@ -200,9 +223,9 @@ class RaggedDTensor(DTensor):
         return _build(local, self.shape, self._ragged_ranges, self._ragged_rank, self._ragged_group)
 
     def __repr__(self) -> str:
-        lo, hi = self.ragged_range
+        held = " + ".join(f"[{lo}, {hi})" for lo, hi in self.ragged_pieces) or "none"
         return (
-            f"RaggedDTensor(shape={tuple(self.shape)}, dtype={self.dtype}, elements [{lo}, {hi}) of "
+            f"RaggedDTensor(shape={tuple(self.shape)}, dtype={self.dtype}, elements {held} of "
             f"{math.prod(self.shape)} on rank {self._ragged_rank} of {len(self._ragged_ranges)})"
         )
 
@@ -225,7 +248,7 @@ def _build(local, shape, ranges, rank, group) -> RaggedDTensor:
     stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
     spec = DTensorSpec(mesh_of(group), (RaggedShard(),), tensor_meta=TensorMeta(shape, stride, local.dtype))
     out = RaggedDTensor(local, spec, requires_grad=False)
-    out._ragged_ranges = tuple((int(a), int(b)) for a, b in ranges)
+    out._ragged_ranges = normalize_ranges(ranges)
     out._ragged_rank = int(rank)
     out._ragged_group = group
     return out
@@ -233,11 +256,12 @@ def _build(local, shape, ranges, rank, group) -> RaggedDTensor:
 
 def ragged_dtensor(local: torch.Tensor, shape, ranges, rank: int, group) -> RaggedDTensor:
     """Wrap ``local`` (this rank's flat elements ``ranges[rank]`` of a tensor of ``shape``; not copied) for DCP.
-    ``ranges`` lists every rank's ``(lo, hi)`` in ``group``'s rank order."""
-    lo, hi = ranges[rank]
+    ``ranges`` lists every rank's ``(lo, hi)``, or list of them (its pieces, concatenated in ``local``), in
+    ``group``'s rank order."""
+    want = sum(hi - lo for lo, hi in normalize_ranges(ranges)[rank])
     local = local.detach()
-    if local.numel() != hi - lo:
-        raise ValueError(f"ragged_dtensor: the local piece has {local.numel()} elements, [{lo}, {hi}) wants {hi - lo}")
+    if local.numel() != want:
+        raise ValueError(f"ragged_dtensor: the local piece has {local.numel()} elements, {ranges[rank]} wants {want}")
     return _build(local.reshape(-1), shape, ranges, rank, group)
 
 

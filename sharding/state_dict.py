@@ -19,10 +19,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ragged_optim.sharding.ragged_dtensor import RaggedDTensor, ragged_dtensor
+from ragged_optim.sharding.ragged_dtensor import RaggedDTensor, normalize_ranges, ragged_dtensor
 from ragged_optim.sharding.sharded_param import ShardInfo, shard_info
 
 __all__ = [
+    "local_piece",
     "get_full_state_dict",
     "load_full_state_dict",
     "loading_strict",
@@ -73,15 +74,19 @@ def _full_value(v: torch.Tensor) -> torch.Tensor:
     return v
 
 
-def _local_piece(v: torch.Tensor, ranges, rank: int, full_shape, local_shape) -> torch.Tensor:
+def local_piece(v: torch.Tensor, ranges, rank: int, full_shape, local_shape) -> torch.Tensor:
     """This rank's piece of state-dict value ``v`` for a tensor laid out by ``ranges`` with ``full_shape``."""
-    if isinstance(v, RaggedDTensor) and v._ragged_ranges == tuple(ranges) and tuple(v.shape) == tuple(full_shape):
+    pieces = normalize_ranges(ranges)
+    if isinstance(v, RaggedDTensor) and v._ragged_ranges == pieces and tuple(v.shape) == tuple(full_shape):
         return v.to_local()  # same layout: no communication
     full = _full_value(v)
     if tuple(full.shape) != tuple(full_shape) and tuple(full.shape) == tuple(local_shape):
         return full  # a rank-local piece (a per-rank state dict of the same layout)
-    lo, hi = ranges[rank]
-    return full.reshape(-1)[lo:hi]
+    flat = full.reshape(-1)
+    if len(pieces[rank]) == 1:
+        lo, hi = pieces[rank][0]
+        return flat[lo:hi]
+    return torch.cat([flat[lo:hi] for lo, hi in pieces[rank]]) if pieces[rank] else flat[:0]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -175,7 +180,7 @@ def _from_dcp(module, state_dict, prefix, local_metadata, strict, _missing, _une
         if key in state_dict and state_dict[key] is p:  # see check_state_dict: keeps its value
             state_dict[key] = p.detach()
         elif key in state_dict and isinstance(state_dict[key], torch.Tensor):
-            piece = _local_piece(state_dict[key], _ranges(info), info.unit.rank, info.shape, p.shape)
+            piece = local_piece(state_dict[key], _ranges(info), info.unit.rank, info.shape, p.shape)
             state_dict[key] = piece.to(p.dtype) if piece.is_floating_point() else piece
 
 
@@ -259,12 +264,12 @@ def optimizer_state_from_dcp(opt: torch.optim.Optimizer, state_dict: Any) -> Any
                     ranges = _block_ranges(_ranges(info), bs)
                     nb = -(-info.numel // bs)
                     lo, hi = ranges[info.unit.rank]
-                    v = _local_piece(v, ranges, info.unit.rank, (nb,), (hi - lo,))
+                    v = local_piece(v, ranges, info.unit.rank, (nb,), (hi - lo,))
                 elif tuple(v.shape) == tuple(info.shape) or hasattr(v, "placements"):
-                    v = _local_piece(v, _ranges(info), info.unit.rank, info.shape, p.shape)
+                    v = local_piece(v, _ranges(info), info.unit.rank, info.shape, p.shape)
                 elif k.endswith("_codes") and v.dim() == 1 and v.numel() == info.numel > p.numel():
                     # 8-bit codes a plain param's optimizer saved flat (before its state dict shaped them like it)
-                    v = _local_piece(v.view(info.shape), _ranges(info), info.unit.rank, info.shape, p.shape)
+                    v = local_piece(v.view(info.shape), _ranges(info), info.unit.rank, info.shape, p.shape)
             out[k] = v
         new_state[pid] = out
     return {**state_dict, "state": new_state}

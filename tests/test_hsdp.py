@@ -206,4 +206,4 @@ def test_full_optimizer_state_under_hsdp_is_the_one_process_state():
     want = _adamw8bit_steps(model, False).state_dict()["state"][0]
     got = run_on_ranks(_adamw8bit_full_state_hsdp, 4)[0]
     assert got.keys() == want.keys()
-    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert all(torch.equal(got[k], want[k]) if isinstance(want[k], torch.Tensor) else got[k] == want[k] for k in want)

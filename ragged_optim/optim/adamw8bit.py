@@ -49,7 +49,7 @@ from ragged_optim.kernels import (
     quantize_blockwise,
 )
 from ragged_optim.kernels.adamw8bit_ref import ieee_sqrt_
-from ragged_optim.optim.base import full_shape, is_dtensor, local, process_group
+from ragged_optim.optim.base import full_shape, is_dtensor, local, local_ranges, process_group
 from ragged_optim.optim.blocks import local_range
 from ragged_optim.optim.muon import adamw_group_update_
 from ragged_optim.optim.optimizer import RaggedOptimizer, check_int, check_real, check_reals
@@ -245,6 +245,22 @@ class AdamW8bit(RaggedOptimizer):
         pg = process_group(p)
         rank = dist.get_rank(pg)
         return [(s, e) for s, e, route in self._routing(pg).routed[id(p)] if route.owner == rank]
+
+    def fsdp2_state_layout(self, p: Tensor, key: str, group: dict[str, Any]) -> tuple | None:
+        """How the 8-bit state entry ``key`` of an FSDP2 (DTensor) param lies in a global tensor, for its state dict
+        (``optim/dtensor_state.py``): ``(global shape, every rank's flat ranges)``, or None for other entries. The
+        codes are elements of the full param (each rank's :meth:`state_ranges`), the scales its blocks."""
+        if not (key.endswith("_codes") or key.endswith("_scales")) or not self._is_8bit(p, group):
+            return None
+        bs, numel = group["block_size"], self._numel(p)
+        owners = self._routing(process_group(p)).routed[id(p)]
+        ranges = []
+        for r, (lo, hi) in enumerate(local_ranges(p)):
+            a, b = self._interior(lo, hi, numel, bs)
+            ranges.append([(a, b)] + [(s, e) for s, e, route in owners if route.owner == r])
+        if key.endswith("_codes"):
+            return tuple(full_shape(p)), ranges
+        return (num_blocks(numel, bs),), [[(s // bs, -(-e // bs)) for s, e in rs if e > s] for rs in ranges]
 
     def state_ranges(self, p: Tensor, group: dict[str, Any] | None = None) -> list[tuple[int, int]]:
         """Flat element ranges ``[s, e)`` of the full param that this rank's state of ``p`` holds, in the order of

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from ragged_optim.optim.base import full_shape, is_dtensor, local, process_group, scalar
 from ragged_optim.optim.blocks import BlockOptimizer
+from ragged_optim.optim.dtensor_state import dtensor_state_from_dcp, dtensor_state_to_dcp
 from ragged_optim.optim.nonfinite import guard_step
 from ragged_optim.sharding.state_dict import optimizer_state_from_dcp
 
@@ -171,7 +172,7 @@ class RaggedOptimizer(BlockOptimizer):
             for k, v in g.items():
                 if isinstance(v, torch.dtype):
                     g[k] = str(v)
-        return sd
+        return dtensor_state_to_dcp(self, sd)  # FSDP2 params' state as DTensors, as torch's optimizers keep it
 
     @staticmethod
     def _dtypes_back(state_dict: Any) -> Any:
@@ -199,7 +200,8 @@ class RaggedOptimizer(BlockOptimizer):
         pre, post = self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks
         self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks = {}, {}
         try:
-            self._load_checked_state_dict(_steps_on_cpu(optimizer_state_from_dcp(self, self._dtypes_back(state_dict))))
+            local_pieces = dtensor_state_from_dcp(self, optimizer_state_from_dcp(self, self._dtypes_back(state_dict)))
+            self._load_checked_state_dict(_steps_on_cpu(local_pieces))
         finally:
             self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks = pre, post
         for hook in list(post.values()):

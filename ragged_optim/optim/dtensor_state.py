@@ -1,0 +1,117 @@
+"""State of torch FSDP2 (``DTensor``, ``Shard(0)``) params in our optimizers' state dicts, as torch's optimizers
+have it: torch's AdamW on FSDP2 params keeps DTensor state, so ``get_optimizer_state_dict`` + ``dcp.save`` write
+each rank's rows of one global tensor and ``dcp.load`` reshards them at any world size. Ours keep the state as
+local tensors (the step runs on local tensors); without this, DCP took each rank's local tensor for a replicated
+one and refused to load it (``Size mismatch between saved torch.Size([12, 72]) and current: torch.Size([14, 72])``)
+even at the same world size.
+
+- ``state_dict()``: an entry shaped like the param's local piece (momentum, Adam moments) becomes a DTensor of the
+  param's global shape and placements (a view: nothing is copied). AdamW8bit's codes and scales (each rank holds
+  the blocks inside its rows and the cut blocks it owns: several ranges) become RaggedDTensors of the full param
+  and of its blocks (``fsdp2_state_layout``). Other entries (Shampoo/SOAP band state, keyed by band, each band
+  saved by the rank that computes it; step counters) are left as they are.
+- ``load_state_dict()``: a DTensor (what ``dcp.load`` filled, or another layout's) becomes this rank's local piece,
+  redistributed when its placements differ; a full tensor of the param's global shape (``full_state_dict=True``,
+  a plain model's state) is cut to this rank's rows (or ranges).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from ragged_optim.optim.base import is_dtensor, local, process_group
+from ragged_optim.sharding import shard_info
+from ragged_optim.sharding.ragged_dtensor import ragged_dtensor
+from ragged_optim.sharding.state_dict import local_piece
+
+__all__ = ["dtensor_state_from_dcp", "dtensor_state_to_dcp"]
+
+
+def _fsdp2_params(opt, state_dict: dict) -> list[tuple[Any, torch.Tensor]]:
+    """(saved param id, param) of every torch DTensor param of ``opt`` (not ours: ragged params have their own
+    hooks), matched by position as torch's loader does; [] when the groups do not line up."""
+    groups = state_dict.get("param_groups")
+    if not isinstance(groups, list):
+        return []
+    ids = [i for g in groups if isinstance(g, dict) for i in g.get("params", [])]
+    params = [p for g in opt.param_groups for p in g["params"]]
+    if len(ids) != len(params):
+        return []  # torch's own check says what is wrong
+    return [(i, p) for i, p in zip(ids, params) if is_dtensor(p) and shard_info(p) is None]
+
+
+def dtensor_state_to_dcp(opt, state_dict: dict) -> dict:
+    """``state_dict`` with the local-piece state of FSDP2 params as DTensors (new dicts; views of the state)."""
+    pairs = _fsdp2_params(opt, state_dict)
+    if not pairs:
+        return state_dict
+    state = dict(state_dict["state"])
+    for pid, p in pairs:
+        st = state.get(pid)
+        if not isinstance(st, dict):
+            continue
+        shape, group = local(p).shape, _group_of(opt, p)
+        out = {}
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.dim() > 0:
+                if (layout := _layout(opt, p, k, group)) is not None:
+                    v = ragged_dtensor(v, *layout, dist.get_rank(process_group(p)), process_group(p))
+                elif v.shape == shape:
+                    v = DTensor.from_local(
+                        v, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+                    )
+            out[k] = v
+        state[pid] = out
+    return {**state_dict, "state": state}
+
+
+def _group_of(opt, p) -> dict:
+    return next(g for g in opt.param_groups if any(q is p for q in g["params"]))
+
+
+def _layout(opt, p, key: str, group: dict):
+    """An optimizer's own global layout of a state entry that is not the param's local rows (AdamW8bit's codes
+    and scales: ``fsdp2_state_layout``), or None."""
+    fn = getattr(opt, "fsdp2_state_layout", None)
+    return fn(p, key, group) if fn is not None else None
+
+
+def _local_rows(full: torch.Tensor, p: DTensor) -> torch.Tensor:
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    sizes, offsets = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    index = tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
+    return full[index]
+
+
+def dtensor_state_from_dcp(opt, state_dict: Any) -> Any:
+    """The inverse for loading: state of FSDP2 params as this rank's local pieces (a collective when a DTensor's
+    placements differ from the param's: every rank loads together, as with torch's optimizers)."""
+    if not (isinstance(state_dict, dict) and isinstance(state_dict.get("state"), dict)):
+        return state_dict
+    pairs = _fsdp2_params(opt, state_dict)
+    if not pairs:
+        return state_dict
+    state = dict(state_dict["state"])
+    for pid, p in pairs:
+        st = state.get(pid)
+        if not isinstance(st, dict):
+            continue
+        out, group = {}, _group_of(opt, p)
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and (layout := _layout(opt, p, k, group)) is not None:
+                shape, ranges = layout
+                if tuple(v.shape) == tuple(shape) or isinstance(v, DTensor):  # else: a rank-local piece, as saved
+                    v = local_piece(v, ranges, dist.get_rank(process_group(p)), shape, ())
+            elif isinstance(v, DTensor) and v.shape == p.shape:
+                same = v.device_mesh == p.device_mesh and tuple(v.placements) == tuple(p.placements)
+                v = (v if same else v.redistribute(p.device_mesh, p.placements)).to_local()
+            elif isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.dim() > 0 and v.shape == p.shape:
+                v = _local_rows(v, p)
+            out[k] = v
+        state[pid] = out
+    return {**state_dict, "state": state}
