@@ -722,8 +722,8 @@ def load_checkpoint(
 def get_full_optimizer_state_dict(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
     """``opt.state_dict()`` as the same optimizer on the unsharded model would have it (a collective: call it on
     every rank): element-wise state is gathered to full shape (8-bit codes too, as the one-process AdamW8bit's
-    state_dict shows them), 8-bit scales and Shampoo bands are merged from their ranks. ``param_names`` in each group lists
-    the params by model name. Load it into the unsharded model's optimizer with ``opt.load_state_dict``."""
+    state_dict shows them), 8-bit scales and Shampoo bands are merged from their ranks. ``param_names`` in each
+    group lists the params by model name. Load it into the unsharded model's optimizer with ``opt.load_state_dict``."""
     fqns = _opt_fqns(model, opt, 0)
     sd = opt.state_dict()
     full_state = {}

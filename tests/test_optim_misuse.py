@@ -203,3 +203,35 @@ def test_nonfinite_policy_on_a_torch_optimizer_is_refused():
 
     with pytest.raises(TypeError, match=r"AdamW is not a ragged-optim optimizer.*GradScaler"):
         set_nonfinite_policy(torch.optim.AdamW([torch.zeros(2, requires_grad=True)]), "raise")
+
+
+LAYOUT_CHANGES = [
+    (Shampoo, {"max_preconditioner_dim": 4}, "max_preconditioner_dim", 8),
+    (SOAP, {"max_preconditioner_dim": 4}, "max_preconditioner_dim", 8),
+    (AdamW8bit, {"min_8bit_size": 1, "block_size": 8}, "block_size", 16),
+    (AdamW8bit, {"min_8bit_size": 1}, "min_8bit_size", 1000),
+]
+
+
+@pytest.mark.parametrize("cls,kw,key,new", LAYOUT_CHANGES)
+def test_a_layout_hyperparameter_changed_mid_run_is_refused(cls, kw, key, new):
+    """Before: Shampoo failed deep in the step (``The expanded size of the tensor (6) must match the existing size
+    (4)``), SOAP silently kept the old bands, AdamW8bit raised a bare ``KeyError: 'exp_avg'``; and a state dict saved
+    with another value loaded, then failed the same ways."""
+    p = nn.Parameter(torch.randn(8, 6))
+    opt = cls([p], **kw)
+    for _ in range(2):
+        p.grad = torch.randn(8, 6)
+        opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    before = p.detach().clone()
+    opt.param_groups[0][key] = new
+    with pytest.raises(ValueError, match=f"\\['{key}'\\] changed from"):
+        opt.step()
+    assert torch.equal(p, before)
+    opt.param_groups[0][key] = kw[key]  # set back: steps again
+    opt.step()
+    q = nn.Parameter(before.clone())
+    other = cls([q], **{**kw, key: new})
+    with pytest.raises(ValueError, match=f"has {key}="):
+        other.load_state_dict(saved)

@@ -90,6 +90,8 @@ class AdamW8bit(RaggedOptimizer):
     (in element order); :meth:`state_ranges` names their flat element ranges.
     """
 
+    _layout_keys = ("block_size", "min_8bit_size", "qmaps")
+
     def __init__(
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]],

@@ -239,6 +239,10 @@ def _local_block_spans(spec: BlockSpec, lo: int, hi: int, numel: int, skip: set[
     return out
 
 
+def _as_tuple(v):
+    return tuple(v) if isinstance(v, list) else v
+
+
 class BlockOptimizer(torch.optim.Optimizer):
     """A ``torch.optim.Optimizer`` that computes on whole blocks of its params, sharded or not.
 
@@ -250,6 +254,9 @@ class BlockOptimizer(torch.optim.Optimizer):
     #: Instance attributes that are settings, not caches: ``pickle`` and ``copy.deepcopy`` keep them (torch's
     #: ``Optimizer.__getstate__`` keeps only defaults, state and param_groups). Subclasses add theirs.
     _settings_attrs: tuple[str, ...] = ("_block_allow_split",)
+    #: Group hyperparameters that decide the blocks (and so the layout and the shape of the state): they cannot
+    #: change between steps (checked at each step; a change raises before anything is updated).
+    _layout_keys: tuple[str, ...] = ()
 
     def __init__(self, params, defaults: dict[str, Any], *, allow_split: bool = True) -> None:
         super().__init__(params, defaults)
@@ -291,8 +298,33 @@ class BlockOptimizer(torch.optim.Optimizer):
         )
         self.__dict__.pop("_block_routing", None)
         self.__dict__.pop("_block_specs", None)
+        self._layout_values = self._layout_values_now()
+
+    def _layout_values_now(self, groups=None) -> list[tuple]:
+        """Each group's :attr:`_layout_keys` values (lists as tuples: a state dict may turn one into the other)."""
+        groups = self.param_groups if groups is None else groups
+        return [tuple(_as_tuple(g.get(k)) for k in self._layout_keys) for g in groups]
+
+    def _check_layout_keys(self) -> None:
+        """Refuse a change of a :attr:`_layout_keys` hyperparameter since the last step (or the load): the blocks,
+        the sharded layout and the optimizer state were made for the old value (before: a torch-internal shape
+        error deep in the step, a KeyError, or the old value silently kept)."""
+        now = self._layout_values_now()
+        was = self.__dict__.get("_layout_values") or []
+        for gi, (a, b) in enumerate(zip(was, now)):
+            if a != b:
+                key, old, new = next((k, x, y) for k, x, y in zip(self._layout_keys, a, b) if x != y)
+                raise ValueError(
+                    f"{type(self).__name__}: param_groups[{gi}][{key!r}] changed from {old!r} to {new!r} after the "
+                    f"optimizer was built; {key} decides how the params are cut into blocks (the sharded layout and "
+                    f"the shape of the optimizer state follow it), so it is fixed for the optimizer's life. Set it "
+                    f"back, or build a new optimizer with {key}={new!r} (its state starts fresh)"
+                )
+        self._layout_values = was[: len(now)] + now[len(was) :]
 
     def _lock_block_layouts(self) -> None:
+        if self._layout_keys:
+            self._check_layout_keys()
         if self.__dict__.pop("_blocks_stale", False):  # groups were added (add_param_group) since the declaration
             self.declare_param_blocks()
             self._layouts_locked = False  # (the new params' units too)

@@ -211,6 +211,8 @@ class Shampoo(BandPreconditionerChecks, RaggedOptimizer):
     tile width) and ``graft`` (the band's grafting accumulator). Params whose grad is None are skipped.
     """
 
+    _layout_keys = ("max_preconditioner_dim",)
+
     def __init__(
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]],

@@ -236,6 +236,8 @@ class SOAP(BandPreconditionerChecks, RaggedOptimizer):
     local elements. Params whose grad is None are skipped.
     """
 
+    _layout_keys = ("max_preconditioner_dim",)
+
     def __init__(
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
