@@ -207,3 +207,44 @@ def test_full_optimizer_state_under_hsdp_is_the_one_process_state():
     got = run_on_ranks(_adamw8bit_full_state_hsdp, 4)[0]
     assert got.keys() == want.keys()
     assert all(torch.equal(got[k], want[k]) if isinstance(want[k], torch.Tensor) else got[k] == want[k] for k in want)
+
+
+def _two_hsdp_jobs(rank, world_size):
+    import warnings
+
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from ragged_optim.optim import AdamW8bit, Muon, muon_param_groups
+
+    job = rank // 2  # job A on ranks 0-1, job B on 2-3: each an HSDP mesh of 2 replicas x 1 shard
+    # every rank builds both meshes (new_group is a collective of the world)
+    meshes = [DeviceMesh("cpu", [[2 * j], [2 * j + 1]], mesh_dim_names=("replicate", "shard")) for j in (0, 1)]
+    mesh = meshes[job]
+    out = {}
+    for name in ("muon", "adamw8bit"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+        fully_shard(model[0], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        if name == "muon":
+            opt = Muon(muon_param_groups(model), lr=0.02, adamw_lr=3e-3)
+        else:
+            opt = AdamW8bit(model.parameters(), lr=3e-3, block_size=64, min_8bit_size=64)
+        for step in range(2):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank % 2))
+            if job == 1 and step == 1:
+                x[0, 0] = float("nan")  # job B only
+            model(x).square().mean().backward()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                opt.step()
+            opt.zero_grad()
+        out[name] = opt.__dict__.get("found_nonfinite", 0)
+    return job, out
+
+
+def test_two_hsdp_jobs_in_one_world_do_not_share_step_decisions():
+    """Before: the non-finite flag of HSDP params was reduced over the whole world, so job A skipped the step that only
+    job B's NaN gradient should skip (and ranks outside the mesh that were busy elsewhere made the step hang)."""
+    for job, skipped in run_on_ranks(_two_hsdp_jobs, 4):
+        assert skipped == ({"muon": 0, "adamw8bit": 0} if job == 0 else {"muon": 1, "adamw8bit": 1}), (job, skipped)

@@ -10,10 +10,11 @@
 Every step: non-finite gradients, decided on the device with one host sync. Each rank takes the 2-norm of every
 local gradient with one ``torch._foreach_norm(grads)`` per device and dtype (a multi-tensor kernel on a GPU: no
 kernel per param) and reduces those to one flag, ``any(!isfinite(norm))``, on the device; one ``all_reduce(MAX)``
-of that flag (over the params' process group; the world when params span several groups, as with HSDP) makes every
-rank see the same, and reading it (``.item()``) is the step's only host sync. A NaN or Inf always makes its norm
-non-finite; a finite gradient can too, if its squares overflow (|g| above ~1.8e19 in fp32 and bf16; fp16 grads are
-screened by their largest magnitude instead, a norm that cannot overflow). So only when the flag is set, the params
+of that flag (over the params' process group; under HSDP over the shard group, then the replicate group; the
+world when params span several meshes) makes every rank see the same, and reading it (``.item()``) is the step's
+only host sync. A NaN or Inf always makes its norm non-finite; a finite gradient can too, if its squares overflow
+(|g| above ~1.8e19 in fp32 and bf16; fp16 grads are screened by their largest magnitude instead, a norm that cannot
+overflow). So only when the flag is set, the params
 are checked exactly, one by one (``isfinite``, one more ``all_reduce``), which names them, or clears a flag raised
 by overflow. The 2-norm is the screen because a CPU computes it about 12x faster than the largest magnitude (small
 GPT, 1.24M grads: 0.41 ms vs 5.0 ms). The policy is ``opt.nonfinite`` (set it with :func:`set_nonfinite_policy`):
@@ -95,26 +96,36 @@ def _is_distributed(p: Tensor) -> bool:
     return shard_info(p) is not None or is_dtensor(p)
 
 
-def _agreement_group(params: list[Tensor]):
-    """The process group all ranks taking part in this optimizer's step share; None when none is distributed."""
-    groups = {}
+def _world() -> list:
+    return [dist.group.WORLD] if dist.get_world_size() > 1 else []
+
+
+def _agreement_groups(params: list[Tensor]) -> list:
+    """The process groups whose collectives, in this order, make every rank taking part in this optimizer's step
+    agree ([] when no param is distributed). One mesh (1-D, or HSDP's shard x replicate grid): its shard group,
+    then its replicate group (a flag reduced along the rows, then along the columns, is the whole grid's); groups
+    are told apart by their ranks, so two group objects over the same ranks are one. Params on several meshes:
+    the world. Never the world for one mesh: ranks outside it may be busy with other work (before, they made the
+    step hang, and two HSDP jobs in one world skipped each other's steps)."""
+    meshes = {}
     for p in params:
         info = shard_info(p)
         if info is not None:
-            groups[id(info.unit.group)] = info.unit.group
-            if info.unit.replicate_group is not None:
-                return dist.group.WORLD
+            pair = (info.unit.group, info.unit.replicate_group)
         elif is_dtensor(p):
             mesh = p.device_mesh
             if mesh.ndim != 1:
-                return dist.group.WORLD
-            g = mesh.get_group()
-            groups[id(g)] = g
-    if not groups:
-        return None
-    if len(groups) == 1:
-        return next(iter(groups.values()))
-    return dist.group.WORLD
+                return _world()
+            pair = (mesh.get_group(), None)
+        else:
+            continue
+        key = tuple(None if g is None else tuple(dist.get_process_group_ranks(g)) for g in pair)
+        meshes.setdefault(key, pair)
+    if not meshes:
+        return []
+    if len(meshes) > 1:
+        return _world()
+    return [g for g in next(iter(meshes.values())) if g is not None and dist.get_world_size(g) > 1]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -169,7 +180,12 @@ def _device(entries) -> torch.device:
     return next((local(p).device for _, _, p in entries), torch.device("cpu"))
 
 
-def _check_same_params(opt, entries, group) -> None:
+def _check_same_params(opt, entries, groups) -> None:
+    for group in groups:  # equal along the rows and along the columns of a grid: equal on all of it
+        _check_same_params_in(opt, entries, group)
+
+
+def _check_same_params_in(opt, entries, group) -> None:
     desc = _describe(opt, entries)
     h = torch.tensor([zlib.crc32(repr(desc).encode()), len(desc)], dtype=torch.int64, device=_device(entries))
     world = dist.get_world_size(group)
@@ -181,13 +197,14 @@ def _check_same_params(opt, entries, group) -> None:
     dist.all_gather_object(descs, desc, group=group)
     cls = type(opt).__name__
     r = next(k for k in range(world) if descs[k] != descs[0])
+    ranks = dist.get_process_group_ranks(group)
     a, b = descs[0], descs[r]
     j = next((k for k in range(min(len(a), len(b))) if a[k] != b[k]), min(len(a), len(b)))
     where = (
-        f"param {j}: group {a[j][0]}, shape {a[j][1]}, {a[j][2]} on rank 0 but group {b[j][0]}, shape {b[j][1]}, "
-        f"{b[j][2]} on rank {r}"
+        f"param {j}: group {a[j][0]}, shape {a[j][1]}, {a[j][2]} on rank {ranks[0]} but group {b[j][0]}, shape "
+        f"{b[j][1]}, {b[j][2]} on rank {ranks[r]}"
         if j < min(len(a), len(b))
-        else f"rank 0 has {len(a)} params, rank {r} has {len(b)}"
+        else f"rank {ranks[0]} has {len(a)} params, rank {ranks[r]} has {len(b)}"
     )
     raise RuntimeError(
         f"{cls}.step(): ranks disagree on the optimizer's params ({where}). Every rank must build the optimizer "
@@ -201,9 +218,9 @@ def _check_same_params(opt, entries, group) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def nonfinite_params(opt, entries=None, group=None) -> list[int]:
-    """Indices (into the flat param list) of params whose gradient holds a NaN/Inf on some rank (a collective
-    when ``group`` is not None: every rank gets the same list)."""
+def nonfinite_params(opt, entries=None, groups=()) -> list[int]:
+    """Indices (into the flat param list) of params whose gradient holds a NaN/Inf on some rank (collectives over
+    ``groups``, in order: every rank gets the same list)."""
     entries = _params(opt) if entries is None else entries
     device = _device(entries)
     index, finite = [], []
@@ -217,15 +234,16 @@ def nonfinite_params(opt, entries=None, group=None) -> list[int]:
     flags = torch.zeros(len(entries), dtype=torch.float32, device=device)
     if index:  # one device-side gather of the flags: no host sync per param
         flags[torch.tensor(index, device=device)] = (~torch.stack(finite).to(device)).float()
-    if group is not None and dist.get_world_size(group) > 1:
+    for group in groups:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
     return torch.nonzero(flags).flatten().tolist()
 
 
-def any_nonfinite(opt, entries=None, group=None) -> bool:
+def any_nonfinite(opt, entries=None, groups=()) -> bool:
     """False when every param's gradient is finite on every rank; True when some gradient holds a NaN/Inf, or (rarely)
     when its squares overflow (confirm with :func:`nonfinite_params`). One foreach norm per (device, dtype), the flags
-    combined on the device, one ``all_reduce(MAX)`` when ``group`` is not None, and one host sync (``.item()``)."""
+    combined on the device, one ``all_reduce(MAX)`` per group of ``groups`` (two under HSDP), and one host sync
+    (``.item()``)."""
     entries = _params(opt) if entries is None else entries
     buckets: dict[tuple, list[Tensor]] = {}
     for _, _, p in entries:
@@ -242,9 +260,10 @@ def any_nonfinite(opt, entries=None, group=None) -> bool:
         finite = torch.ones((), dtype=torch.bool, device=device)
     else:
         finite = torch.isfinite(norms[0] if len(norms) == 1 else torch.cat([n.to(device) for n in norms])).all()
-    if group is not None and dist.get_world_size(group) > 1:
+    if groups:
         bad = (~finite).to(torch.float32).reshape(1)
-        dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
+        for group in groups:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
         return bool(bad.item())
     return not finite.item()
 
@@ -253,21 +272,20 @@ def guard_step(opt: torch.optim.Optimizer) -> bool:
     """Run the checks of this module for ``opt.step()``; True means: skip this step (on every rank)."""
     entries = _params(opt)
     params = [p for _, _, p in entries]
-    group = _agreement_group(params) if dist.is_available() and dist.is_initialized() else None
+    groups = _agreement_groups(params) if dist.is_available() and dist.is_initialized() else []
     if not opt.__dict__.get(_CHECKED):
         _check_dtypes(opt, entries)
         _check_not_replaced(opt, entries)
-        if group is not None and dist.get_world_size(group) > 1:
-            _check_same_params(opt, entries, group)
+        _check_same_params(opt, entries, groups)
         opt.__dict__[_CHECKED] = True
     policy = opt.__dict__.get("nonfinite", "skip")
     if policy == "off":
         return False
     if policy not in NONFINITE_POLICIES:
         raise ValueError(f"{type(opt).__name__}.nonfinite must be one of {NONFINITE_POLICIES}, got {policy!r}")
-    if not any_nonfinite(opt, entries, group):
+    if not any_nonfinite(opt, entries, groups):
         return False
-    bad = nonfinite_params(opt, entries, group)  # the rare case: name the params (every rank takes it together)
+    bad = nonfinite_params(opt, entries, groups)  # the rare case: name the params (every rank takes it together)
     if not bad:
         return False
     labels = [_label(opt, *entries[k]) for k in bad]
