@@ -20,7 +20,17 @@ def _groups_of(params):
         if info is not None:
             by_group.setdefault(info.unit.group, []).append(p)
         elif hasattr(p, "to_local"):
-            by_group.setdefault(p.device_mesh.get_group(), []).append(p)
+            sharded = [d for d, pl in enumerate(p.placements) if pl.is_shard()]
+            if not sharded:  # replicated on every mesh dim: each rank holds the whole grad
+                replicated.append(p)
+            elif len(sharded) == 1:  # FSDP2 (1-D) or HSDP (Replicate, Shard): partial sums over the shard dim
+                by_group.setdefault(p.device_mesh.get_group(sharded[0]), []).append(p)
+            else:
+                raise ValueError(
+                    f"clip_grad_norm_: a DTensor param with placements {tuple(p.placements)} is sharded over "
+                    f"{len(sharded)} mesh dims; only one sharded dim is supported (FSDP2 and HSDP meshes). Use "
+                    "torch.nn.utils.clip_grad_norm_ for it"
+                )
         else:
             replicated.append(p)
     return by_group, replicated
@@ -50,7 +60,7 @@ def total_grad_norm(params, norm_type: float = 2.0) -> torch.Tensor:
         total = torch.maximum(total, part) if is_inf else total + part
     for p in replicated:
         if p.grad is not None and p.grad.numel():
-            g = p.grad.detach().double()
+            g = _local(p.grad).detach().double()
             total = torch.maximum(total, g.abs().max()) if is_inf else total + g.pow(2).sum()
     return (total if is_inf else total.sqrt()).float()
 

@@ -1,5 +1,6 @@
 """HSDP (2-D replicate x shard meshes) and per-unit process groups on 4 gloo ranks equal one process."""
 
+import pytest
 import torch
 from fsdp_models import batch, local_rows, loss_fn, make_model
 from noise_bounds import assert_within_reference, magnitude
@@ -243,8 +244,43 @@ def _two_hsdp_jobs(rank, world_size):
     return job, out
 
 
-def test_two_hsdp_jobs_in_one_world_do_not_share_step_decisions():
+def _fsdp2_hsdp_params(rank, world_size):
+    """torch FSDP2's HSDP params (DTensors placed (Replicate(), Shard(0))) with our clip_grad_norm_ and Muon."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from ragged_optim.optim import muon_param_groups
+    from ragged_optim.sharding import clip_grad_norm_
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    torch_fully_shard(model, mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))
+    model(torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))).square().mean().backward()
+    ours = clip_grad_norm_(model.parameters(), float("inf"))  # max_norm inf: measures, changes nothing
+    theirs = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+    try:
+        Muon(muon_param_groups(model))
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    return ours.item(), theirs.full_tensor().item(), refused
+
+
+@pytest.fixture(scope="module")
+def hsdp_world():
+    return run_on_ranks(_two_hsdp_jobs, 4), run_on_ranks(_fsdp2_hsdp_params, 4)
+
+
+def test_two_hsdp_jobs_in_one_world_do_not_share_step_decisions(hsdp_world):
     """Before: the non-finite flag of HSDP params was reduced over the whole world, so job A skipped the step that only
     job B's NaN gradient should skip (and ranks outside the mesh that were busy elsewhere made the step hang)."""
-    for job, skipped in run_on_ranks(_two_hsdp_jobs, 4):
+    for job, skipped in hsdp_world[0]:
         assert skipped == ({"muon": 0, "adamw8bit": 0} if job == 0 else {"muon": 1, "adamw8bit": 1}), (job, skipped)
+
+
+def test_fsdp2_hsdp_params_clip_like_torch_and_muon_refuses_them(hsdp_world):
+    """Before: both raised torch's ``Found the DeviceMesh have 2 dimensions ... mesh_dim needs to be specified``
+    (clip_grad_norm_ from its group lookup; Muon at its first step)."""
+    for ours, theirs, refused in hsdp_world[1]:
+        assert ours == theirs  # the largest |grad|: exact on both sides
+        assert refused is not None and "(Replicate(), Shard(dim=0))" in refused and "Muon supports" in refused

@@ -37,9 +37,9 @@ from ragged_optim.kernels.newton_schulz import (
     NS_MATMUL_MODES,
     newton_schulz,
 )
-from ragged_optim.optim.base import full_shape, local, ns_cost, on_foreach_device, scalar
+from ragged_optim.optim.base import full_shape, is_dtensor, local, ns_cost, on_foreach_device, scalar
 from ragged_optim.optim.optimizer import RaggedOptimizer, check_bool, check_real, check_reals
-from ragged_optim.sharding import BlockSpec
+from ragged_optim.sharding import BlockSpec, shard_info
 
 __all__ = ["Muon", "MuonItem", "adamw_update_", "adjust_lr", "BF16_NS_REL_TOL"]
 
@@ -440,6 +440,8 @@ class Muon(RaggedOptimizer):
 
     def _check_params(self, gi: int, group: dict[str, Any], *, explicit: bool) -> None:
         for i, p in enumerate(group["params"]):
+            if is_dtensor(p) and shard_info(p) is None:  # (before: a torch error about mesh dims at the first step)
+                self._check_dtensor(gi, i, p)
             if p.is_complex():
                 raise ValueError(
                     f"{self._param_label(gi, i)} is complex ({p.dtype}); Muon and its AdamW path support real "

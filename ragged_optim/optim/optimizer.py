@@ -74,6 +74,20 @@ class RaggedOptimizer(BlockOptimizer):
     #: the non-finite policy and the count of skipped steps are settings a copy keeps
     _settings_attrs = (*BlockOptimizer._settings_attrs, "nonfinite", "found_nonfinite")
 
+    def _check_dtensor(self, gi: int, i: int, p: torch.Tensor) -> None:
+        """Refuse a DTensor param this library cannot place (FSDP2's HSDP ``(Replicate(), Shard(0))``, ``Shard(1)``)."""
+        from torch.distributed.tensor import Shard
+
+        placements = tuple(p.placements)
+        mesh = getattr(p, "device_mesh", None)
+        if len(placements) != 1 or not isinstance(placements[0], Shard) or placements[0].dim != 0 or mesh is None:
+            raise ValueError(
+                f"{self._param_label(gi, i)} is a torch DTensor with placements {placements}; {type(self).__name__} "
+                "supports DTensor params sharded Shard(0) on a 1-D mesh (torch FSDP2 fully_shard), plain tensors "
+                "and ragged_optim.fully_shard params: redistribute it to Shard(0) or shard the model with "
+                "ragged_optim.fully_shard."
+            )
+
     def _begin_step(self, closure) -> tuple[object, bool]:
         """Run the closure; from now on the sharded layouts shape this optimizer's state, so lock them; check the
         grads (``guard_step``: non-finite grads skip the step on every rank, by default). Returns (loss, skip)."""
@@ -331,19 +345,6 @@ class BandPreconditionerChecks:
                 )
             new_state[key] = {**st, "bands": {k: v for k, v in bands.items() if k in here or not isinstance(k, int)}}
         return {**state_dict, "state": new_state}
-
-    def _check_dtensor(self, gi: int, i: int, p: torch.Tensor) -> None:
-        from torch.distributed.tensor import Shard
-
-        placements = tuple(p.placements)
-        mesh = getattr(p, "device_mesh", None)
-        if len(placements) != 1 or not isinstance(placements[0], Shard) or placements[0].dim != 0 or mesh is None:
-            raise ValueError(
-                f"{self._param_label(gi, i)} is a torch DTensor with placements {placements}; {type(self).__name__} "
-                "supports DTensor params sharded Shard(0) on a 1-D mesh (torch FSDP2 fully_shard), plain tensors "
-                "and ragged_optim.fully_shard params: redistribute it to Shard(0) or shard the model with "
-                "ragged_optim.fully_shard."
-            )
 
     def _grad_of(self, gi: int, i: int, p: torch.Tensor) -> torch.Tensor | None:
         grad = super()._grad_of(gi, i, p)
