@@ -31,14 +31,18 @@ Every failure to read a checkpoint is a :class:`CheckpointError` naming the fold
 
 Atomicity: data goes to ``<path>.tmp-<id>``; after every rank has finished, rank 0 writes ``meta.pt``, then
 ``COMPLETE``, then renames the folder to ``<path>`` (an older checkpoint at ``<path>`` is moved aside first and
-deleted after). A folder of ours without ``COMPLETE`` is never loaded.
+deleted after). A folder of ours without ``COMPLETE`` is never loaded. If a save dies between those two renames,
+``load_checkpoint(path)`` loads the complete checkpoint it left (``<path>.tmp-<id>``, else ``<path>.old-<id>``) with a
+warning, and the next successful save removes such leftovers.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import shutil
 import uuid
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -343,7 +347,7 @@ def save_checkpoint(
     rank and leaves any older checkpoint at ``path`` as it was."""
     import torch.distributed.checkpoint as dcp
 
-    path = os.fspath(path)
+    path = os.fsdecode(os.fspath(path))  # (a bytes path too)
     if isinstance(optimizers, torch.optim.Optimizer):
         optimizers = (optimizers,)
     token = _broadcast_obj(uuid.uuid4().hex[:12] if _rank() == 0 else None)
@@ -353,7 +357,12 @@ def save_checkpoint(
     for j, opt in enumerate(optimizers):
         records.append(_optim_entries(model, opt, j, sd, offset))
         offset += len(opt.param_groups)
-    problem = (_target_problem(path) or _writable(tmp)) if _rank() == 0 else None
+    problem = None
+    if _rank() == 0:  # whatever goes wrong on rank 0 reaches every rank (the others would wait for it)
+        try:
+            problem = _extra_problem(extra) or _target_problem(path) or _writable(tmp)
+        except Exception as e:  # e.g. a path with a NUL byte
+            problem = f"cannot write the checkpoint folder {path!r}: {type(e).__name__}: {e}; nothing was written"
     problem = _broadcast_obj(problem)
     if problem:
         raise CheckpointError(problem)
@@ -374,7 +383,7 @@ def save_checkpoint(
             torch.save(meta, os.path.join(tmp, META_FILE))
             _write_marker(tmp, f"ragged-optim checkpoint v{FORMAT_VERSION}, world size {world}\n")
             _publish(tmp, path, token)
-        except OSError as e:  # every rank raises, not rank 0 alone (the others would wait for it)
+        except Exception as e:  # every rank raises, not rank 0 alone (the others would wait for it)
             shutil.rmtree(tmp, ignore_errors=True)
             why = f"{type(e).__name__}: {e}"
             problem = f"finishing checkpoint {path!r} failed: {why}; any older checkpoint there is kept"
@@ -382,6 +391,18 @@ def save_checkpoint(
     if problem:
         raise CheckpointError(problem)
     return path
+
+
+def _extra_problem(extra: Any) -> str | None:
+    """Why ``extra`` cannot be stored (it is pickled into meta.pt), checked before anything is written."""
+    try:
+        pickle.dumps(extra)
+    except Exception as e:
+        return (
+            f"save_checkpoint(extra=...) must be picklable (it is stored with torch.save): {type(e).__name__}: {e}; "
+            "nothing was written. Store plain values (numbers, strings, lists, dicts, tensors)"
+        )
+    return None
 
 
 def _write_marker(folder: str, text: str) -> None:
@@ -405,6 +426,19 @@ def _publish(tmp: str, path: str, token: str) -> None:
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+    for leftover in _siblings(path, ".old-") + [f for f in _siblings(path, ".tmp-") if is_complete(f)]:
+        shutil.rmtree(leftover, ignore_errors=True)  # a crashed publish's (an unfinished .tmp- may be in flight)
+
+
+def _siblings(path: str, kind: str) -> list[str]:
+    """``<path><kind><id>`` folders (``.tmp-``: a save's data; ``.old-``: the checkpoint a publish moved aside),
+    newest first."""
+    parent = os.path.dirname(os.path.abspath(path)) or "."
+    base = os.path.basename(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        return []
+    found = [os.path.join(parent, d) for d in os.listdir(parent) if d.startswith(base + kind)]
+    return sorted((f for f in found if os.path.isdir(f)), key=os.path.getmtime, reverse=True)
 
 
 def is_complete(path: str | os.PathLike) -> bool:
@@ -413,16 +447,37 @@ def is_complete(path: str | os.PathLike) -> bool:
 
 
 def _is_torch_dcp(path: str) -> bool:
-    """A folder torch's dcp.save wrote (``.metadata``) that is not one of ours (no ``meta.pt``)."""
-    return os.path.isfile(os.path.join(path, ".metadata")) and not os.path.exists(os.path.join(path, META_FILE))
+    """A folder torch's dcp.save wrote (``.metadata``) that is not one of ours (no ``meta.pt``, no ``COMPLETE``:
+    one of ours that lost its ``meta.pt`` is corrupt, not torch's)."""
+    return (
+        os.path.isfile(os.path.join(path, ".metadata"))
+        and not os.path.exists(os.path.join(path, META_FILE))
+        and not is_complete(path)
+    )
+
+
+def _resolve(path: str) -> str:
+    """The folder to load for ``path``: ``path`` itself, or, when a save died between moving the older checkpoint
+    aside and renaming the new one into place (nothing at ``path``), the complete checkpoint it left: the new one
+    (its ``.tmp-`` folder has every rank's data, ``meta.pt`` and ``COMPLETE``), else the older one (``.old-``)."""
+    if os.path.lexists(path):
+        return path
+    for folder in _siblings(path, ".tmp-") + _siblings(path, ".old-"):
+        if is_complete(folder):
+            warnings.warn(
+                f"load_checkpoint: nothing at {path!r}, where a save was interrupted while replacing the checkpoint; "
+                f"loading the complete checkpoint it left, {folder!r} (the next save to {path!r} removes it)",
+                UserWarning,
+                stacklevel=4,  # (_resolve, _open, load_checkpoint, the caller)
+            )
+            return folder
+    return path
 
 
 def _require_complete(path: str) -> None:
     if is_complete(path):
         return
-    parent = os.path.dirname(os.path.abspath(path)) or "."
-    base = os.path.basename(os.path.abspath(path))
-    partial = sorted(d for d in os.listdir(parent) if d.startswith(base + ".tmp-")) if os.path.isdir(parent) else []
+    partial = [os.path.basename(f) for f in _siblings(path, ".tmp-") if not is_complete(f)]
     if os.path.isdir(path):
         why = f"checkpoint {path!r} has no {COMPLETE_MARKER} marker and no torch DCP '.metadata' file: its write "
         why += "was interrupted (a rank died or ran out of disk before every rank finished), or it is not a "
@@ -438,6 +493,16 @@ def _require_complete(path: str) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 # load
 # ---------------------------------------------------------------------------------------------------------------
+
+
+def _open(path: str) -> tuple[str, bool, dict | None, Any]:
+    """(the folder to read, whether it is a plain torch DCP checkpoint, our record or None, DCP's metadata)."""
+    path = _resolve(path)
+    torch_ckpt = os.path.isdir(path) and _is_torch_dcp(path)
+    if not torch_ckpt:
+        _require_complete(path)
+    meta = None if torch_ckpt else _read_meta(path)
+    return path, torch_ckpt, meta, _read_dcp_metadata(path)
 
 
 def _read_meta(path: str) -> dict:
@@ -620,14 +685,14 @@ def load_checkpoint(
 
     from ragged_optim.optim.blocks import lock_layouts
 
-    path = os.fspath(path)
+    path = os.fsdecode(os.fspath(path))  # (a bytes path too)
     if isinstance(optimizers, torch.optim.Optimizer):
         optimizers = (optimizers,)
-    torch_ckpt = os.path.isdir(path) and _is_torch_dcp(path)
-    if not torch_ckpt:
-        _require_complete(path)
-    meta = None if torch_ckpt else _read_meta(path)
-    stored = _read_dcp_metadata(path)
+    try:  # each rank reads the folder itself (it may be node-local): every rank raises if one cannot
+        path, torch_ckpt, meta, stored, problem = *_open(path), None
+    except CheckpointError as e:
+        problem = f"{e} (on rank {_rank()})" if _dist_on() and dist.get_world_size() > 1 else str(e)
+    _agree(problem)
     if torch_ckpt:
         prefix = "model." if any(k.startswith("model.") for k in stored) else ""
         if optimizers:

@@ -617,3 +617,62 @@ def test_a_failure_to_publish_raises_on_every_rank_and_keeps_the_older_checkpoin
     for err, extra in run_on_ranks(publish_fails_on_rank_0, 2, str(tmp_path / "ckpt"), timeout_s=60):
         assert err is not None and "finishing checkpoint" in err and "No space left on device" in err
         assert extra == {"step": 1}
+
+
+def _checkpoint_faults(rank, world, root):
+    import threading
+    import warnings
+
+    model = shard(Net())
+    opts = make_optimizers(model)
+    train(model, opts, 0, 1)
+    out = {}
+    # (a) a save died between moving the older checkpoint aside and renaming the new one into place
+    ckpt = os.path.join(root, "ckpt")
+    save_checkpoint(os.path.join(root, "step1"), model, opts, extra={"step": 1})
+    train(model, opts, 1, 2)
+    save_checkpoint(os.path.join(root, "step2"), model, opts, extra={"step": 2})
+    if rank == 0:
+        os.rename(os.path.join(root, "step1"), ckpt + ".old-0123")
+        os.rename(os.path.join(root, "step2"), ckpt + ".tmp-0123")
+    torch.distributed.barrier()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out["recovered"] = load_checkpoint(ckpt, model, opts)
+    out["warned"] = any("interrupted while replacing" in str(w.message) for w in caught)
+    save_checkpoint(ckpt, model, opts, extra={"step": 3})
+    torch.distributed.barrier()
+    out["left"] = sorted(os.listdir(root))
+    # (b) an extra that cannot be pickled: refused on every rank before anything is written
+    try:
+        save_checkpoint(os.path.join(root, "bad_extra"), model, opts, extra={"lock": threading.Lock()})
+    except CheckpointError as e:
+        out["extra"] = str(e)
+    # (c) a checkpoint only rank 0 can see (node-local folders): every rank raises, none hangs or goes on alone
+    try:
+        load_checkpoint(ckpt if rank == 0 else os.path.join(root, "nowhere"), model, opts)
+    except CheckpointError as e:
+        out["one_rank_missing"] = str(e)
+    # (d) one of ours that lost meta.pt is corrupt, not a plain torch checkpoint
+    if rank == 0:
+        os.remove(os.path.join(ckpt, "meta.pt"))
+    torch.distributed.barrier()
+    try:
+        load_checkpoint(ckpt, model, opts)
+    except CheckpointError as e:
+        out["no_meta"] = str(e)
+    return out
+
+
+def test_checkpoint_faults_end_the_same_way_on_every_rank(tmp_path):
+    """Before: (a) ``no checkpoint at 'ckpt'; an interrupted write left ['ckpt.tmp-..'] without a COMPLETE marker``
+    (it had one) and the leftovers stayed for good; (b) rank 0 raised a bare TypeError and the other ranks waited for
+    the timeout; (c) only the rank that could not see the folder raised, the other went into a collective alone
+    (gloo abort); (d) ``... is a plain torch DCP checkpoint ... Load it with optimizers=()``."""
+    for r in run_on_ranks(_checkpoint_faults, 2, str(tmp_path)):
+        assert r["recovered"] == {"step": 2} and r["warned"]
+        assert r["left"] == ["ckpt"]
+        assert "extra=...) must be picklable" in r["extra"] and "_thread.lock" in r["extra"]
+        assert "nowhere" in r["one_rank_missing"] and "(on rank 1)" in r["one_rank_missing"]
+        assert "meta.pt" in r["no_meta"] and "plain torch DCP" not in r["no_meta"]
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # the refused saves left nothing
