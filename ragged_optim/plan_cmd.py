@@ -23,6 +23,7 @@ import argparse
 import importlib
 import json
 import math
+import os
 import sys
 import time
 
@@ -84,6 +85,8 @@ def _load_module(spec: str):
     import torch
     import torch.nn as nn
 
+    if os.getcwd() not in sys.path and "" not in sys.path:  # as `python -m` does: modules of the current folder
+        sys.path.insert(0, os.getcwd())
     fn = getattr(importlib.import_module(mod_name), factory)
     if not callable(fn):
         raise ValueError(
@@ -331,17 +334,18 @@ def print_table(summary: dict, itemsize: int, out=None) -> None:
 
 
 def cmd_plan(args) -> int:
+    from ragged_optim.cli import UsageError  # (cli imports this module lazily)
+
     if args.world_size < 1:
-        print(f"error: --world-size must be >= 1, got {args.world_size}", file=sys.stderr)
-        return 2
+        raise UsageError(f"--world-size must be >= 1, got {args.world_size}")
     if args.granularity < 1:
-        print(f"error: --granularity must be >= 1, got {args.granularity}", file=sys.stderr)
-        return 2
+        raise UsageError(f"--granularity must be >= 1, got {args.granularity}")
     try:
         summary = run_plan(args)
-    except (ValueError, ImportError, AttributeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except ImportError as e:
+        raise UsageError(f"--module {args.module}: cannot import it ({e})") from e
+    except (ValueError, AttributeError) as e:
+        raise UsageError(str(e)) from e
     if args.json:
         print(json.dumps({k: v for k, v in summary.items() if not k.startswith("_")}))
     else:

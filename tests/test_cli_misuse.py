@@ -180,13 +180,13 @@ def test_unusable_out_and_checkpoint_dir_are_refused_before_training(capsys, tmp
 
 
 def test_plan_module_must_build_an_nn_module(capsys):
-    assert main(["plan", "--module", "os:getcwd", "--world-size", "4"]) == 2
+    assert _exit_code(["plan", "--module", "os:getcwd", "--world-size", "4"]) == 2
     err = capsys.readouterr().err
     assert "--module os:getcwd: getcwd() returned a str, not a torch.nn.Module" in err
     assert "named_modules" not in err
-    assert main(["plan", "--module", "os:sep", "--world-size", "4"]) == 2
+    assert _exit_code(["plan", "--module", "os:sep", "--world-size", "4"]) == 2
     assert "sep is a str, not a callable" in capsys.readouterr().err
-    assert main(["plan", "--module", "os:chdir", "--world-size", "4"]) == 2
+    assert _exit_code(["plan", "--module", "os:chdir", "--world-size", "4"]) == 2
     err = capsys.readouterr().err
     assert "calling chdir() failed with TypeError" in err and "Traceback" not in err
 
@@ -213,6 +213,30 @@ def test_bench_options_are_refused_as_usage_errors(capsys, argv, text):
 
 def test_plan_of_a_model_without_params_is_an_error(capsys):
     """Before: ZeroDivisionError (padding_ratio) with a traceback."""
-    assert main(["plan", "--module", "torch.nn:Identity", "--world-size", "4"]) == 2
+    assert _exit_code(["plan", "--module", "torch.nn:Identity", "--world-size", "4"]) == 2
     err = capsys.readouterr().err
     assert "has no parameter elements: there is nothing to shard or plan" in err and "Traceback" not in err
+
+
+def _exit_code(argv) -> int:
+    """``main``'s exit status: a usage error exits through argparse (usage line, ``ragged-optim plan: error: ...``)."""
+    try:
+        return main(argv)
+    except SystemExit as e:
+        return e.code
+
+
+def test_plan_module_of_the_current_folder_imports_as_with_python_m(capsys):
+    """The installed ``ragged-optim`` script does not put the current folder on sys.path (``python -m`` does); before,
+    ``plan --module examples.torchrun_own_model:TinyLM`` from the repo root failed with a bare ``error: No module
+    named 'examples'`` and no usage line. ``-I`` keeps the current folder off sys.path, as the script does."""
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = "import sys; from ragged_optim.cli import main; sys.exit(main(sys.argv[1:]))"
+    run = [sys.executable, "-I", "-c", code, "plan", "--world-size", "2"]
+    ok = subprocess.run([*run, "--module", "examples.torchrun_own_model:TinyLM"], cwd=repo, capture_output=True)
+    assert ok.returncode == 0, ok.stderr.decode()
+    err = _usage_error(capsys, "plan", "--module", "nosuch_pkg_q:X", "--world-size", "2")
+    assert "ragged-optim plan: error: --module nosuch_pkg_q:X: cannot import it" in err

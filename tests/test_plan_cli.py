@@ -148,20 +148,20 @@ def test_units_from_module_rule():
 
 
 def test_unknown_model_is_a_clear_error(capsys):
-    assert main(["plan", "--model", "llama9", "--world-size", "8"]) == 2
+    assert _exit_code(["plan", "--model", "llama9", "--world-size", "8"]) == 2
     err = capsys.readouterr().err
     assert "unknown model 'llama9'" in err and "deepseek-v3" in err and "llama3-70b" in err
     assert "Traceback" not in err
 
 
 def test_bad_arguments(capsys):
-    assert main(["plan", "--model", "llama3-8b", "--world-size", "0"]) == 2
+    assert _exit_code(["plan", "--model", "llama3-8b", "--world-size", "0"]) == 2
     assert "--world-size must be >= 1" in capsys.readouterr().err
-    assert main(["plan", "--world-size", "8"]) == 2
+    assert _exit_code(["plan", "--world-size", "8"]) == 2
     assert "--model" in capsys.readouterr().err
-    assert main(["plan", "--model", "llama3-8b", "--world-size", "8", "--alignment", "24"]) == 2
+    assert _exit_code(["plan", "--model", "llama3-8b", "--world-size", "8", "--alignment", "24"]) == 2
     assert "alignment must be a power of two" in capsys.readouterr().err
-    assert main(["plan", "--module", "no_such_pkg_xyz:f", "--world-size", "8"]) == 2
+    assert _exit_code(["plan", "--module", "no_such_pkg_xyz:f", "--world-size", "8"]) == 2
     assert "no_such_pkg_xyz" in capsys.readouterr().err
 
 
@@ -224,3 +224,11 @@ def test_plan_model_takes_a_module(capsys):
     assert {k: v for k, v in s.items() if not k.startswith("_") and k not in drop} == {
         k: v for k, v in d.items() if k not in drop
     }
+
+
+def _exit_code(argv) -> int:
+    """``main``'s exit status: a usage error exits through argparse (usage line, ``ragged-optim plan: error: ...``)."""
+    try:
+        return main(argv)
+    except SystemExit as e:
+        return e.code

@@ -163,7 +163,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("name", choices=[*BENCHMARKS, "all"], metavar="NAME", help=f"{listing}; or 'all'")
-    p.add_argument("--world-size", type=int, default=None, help="number of gloo ranks (default: the benchmark's, 4)")
+    p.add_argument(
+        "--world-size", type=int, default=None, help="number of gloo ranks (default: the benchmark's: 4; adamw8bit 3)"
+    )
     p.add_argument("--steps", type=int, default=None, help="timed steps (default: the benchmark's)")
     p.add_argument(
         "--seeds", type=int, default=None, help="number of seeds, 0 .. N-1 (adamw8bit, comm, peers; default theirs)"

@@ -7,6 +7,7 @@ import argparse
 import os
 import sys
 
+from ragged_optim.models import PRESETS
 from ragged_optim.train import loop
 from ragged_optim.train.config import FSDP_KINDS, TrainConfig, lr_multiplier
 from ragged_optim.train.loop import format_summary, run, shard_model, train_rank
@@ -50,7 +51,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps in all (a resumed run stops here too)")
     p.add_argument("--world-size", type=int, default=d.world_size, help="local gloo ranks (ignored under torchrun)")
-    p.add_argument("--preset", default=d.preset, help="model preset: tiny, small, bench20m")
+    p.add_argument("--preset", default=d.preset, help=f"model preset: {', '.join(PRESETS)}")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="global batch size (sequences per step)")
     p.add_argument("--seq-len", type=int, default=None, help="sequence length (None: the preset's)")
     p.add_argument("--lr", type=float, default=None, help=f"peak learning rate (None: the optimizer's: {lrs})")
