@@ -307,3 +307,43 @@ def test_mixed_dtypes_exchange_in_the_widest():
     got = run_on_ranks(_mixed_dtypes, 3, True)[0]
     for a, b in zip(got, ref):
         assert torch.equal(a, b), (a - b).abs().max()
+
+
+class _Rows2(ro.BlockOptimizer):
+    def __init__(self, params):
+        super().__init__(params, dict(lr=1.0))
+
+    def block_spec(self, p, group):
+        return ro.BlockSpec.rows(2, ro.full_shape(p))
+
+
+def test_in_place_changes_land_in_a_non_contiguous_input():
+    """``Block.values`` of a block held whole are views: in-place changes land in the input. Before, a
+    non-contiguous input (a transposed buffer) was copied and the changes were silently lost."""
+    p = torch.zeros(6, 4, requires_grad=True)
+    opt = _Rows2([p])
+
+    def zero(blocks):
+        for b in blocks:
+            b.value.mul_(0)
+        return [b.value for b in blocks]
+
+    for buf in (torch.ones(6, 4), torch.ones(4, 6).t()):
+        opt.map_blocks(zero, [p], [buf])
+        assert bool((buf == 0).all()), buf.is_contiguous()
+
+
+def test_out_dtype_holds_whatever_the_blocks_are():
+    """Before: with one block the whole local tensor, ``fn``'s result came back as is, ignoring ``out_dtype`` (bf16
+    here); with two blocks it was float64: the dtype depended on the layout."""
+    for rows in (4, 2):
+        p = torch.zeros(4, 4, requires_grad=True)
+
+        class Opt(_Rows2):
+            def block_spec(self, p, group, rows=rows):
+                return ro.BlockSpec.rows(rows, ro.full_shape(p))
+
+        out = Opt([p]).map_blocks(
+            lambda bs: [b.value.to(torch.bfloat16) for b in bs], [p], [torch.ones(4, 4)], out_dtype=torch.float64
+        )
+        assert out[0].dtype == torch.float64, rows

@@ -439,6 +439,11 @@ class BlockOptimizer(torch.optim.Optimizer):
                     blocks.append(Block(p, spec.block_index(s), s, e, shape, vals, False))
                     sinks.append(("local", k, s - lo))
         results = fn(blocks) if blocks else []
+        with torch.no_grad():  # a non-contiguous input was copied: in-place changes go back into it
+            for xs, fs in zip(inputs, flats):
+                for t, f in zip(xs, fs):
+                    if not _shares_storage(t, f):
+                        t.copy_(f.view(t.shape))
         if len(results) != len(blocks):
             raise ValueError(f"map_blocks: fn returned {len(results)} results for {len(blocks)} blocks")
         owned: dict[int, dict[int, Tensor]] = {key: {} for key in exchanges}
@@ -528,7 +533,8 @@ class _Outputs:
         n = r.numel()
         if self.flat[k] is None:
             whole = offset == 0 and n == self.flats[k][0].numel()
-            if whole and not any(_shares_storage(r, f) for f in self.flats[k]):
+            as_asked = self.out_dtype is None or r.dtype == self.out_dtype
+            if whole and as_asked and not any(_shares_storage(r, f) for f in self.flats[k]):
                 self.out[k] = r.reshape(local(self.params[k]).shape)
                 self.flat[k] = self.out[k].reshape(-1)
                 return
