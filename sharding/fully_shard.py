@@ -78,6 +78,13 @@ class RaggedFSDPModule:
         with loading_strict(strict):
             return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
+    def __deepcopy__(self, memo):
+        raise TypeError(
+            f"copy.deepcopy of a ragged_optim.fully_shard {type(self).__name__}: its params live in per-rank flat "
+            "buffers tied to a process group, which a copy cannot share (FSDP2 refuses too). Copy the weights: build "
+            "a new model and load ragged_optim.get_full_state_dict(model) into it"
+        )
+
     def _apply(self, fn, recurse=True):
         """``to_empty``/``to(device)`` after sharding move each unit's flat shard as one tensor and re-point the
         sharded params into it; casts are refused before anything changes (the layout depends on the dtype)."""

@@ -6,6 +6,8 @@ buffers that follow the params to the mesh's device.
 
 One run of 2 gloo ranks computes every case (a module-scoped fixture)."""
 
+import copy
+
 import pytest
 import torch
 from noise_bounds import allowed, magnitude, max_abs_gap
@@ -82,6 +84,8 @@ def _on_ranks(rank, world_size):
         b.emb.weight = b.head.weight = a.emb.weight  # one tensor in two models (e.g. a shared frozen embedding)
         shard(a)
         out[name, "shared_by_two_models"] = _err(lambda a=a, b=b, s=shard: s(b) and b(torch.tensor([[1]])))
+        m = _model(shard)
+        out[name, "deepcopy"] = _err(lambda m=m: copy.deepcopy(m))
     tied = _Tied()
     fully_shard(tied)  # both sides in one unit: fine
     out["ours", "tied_one_unit_params"] = len(list(tied.parameters()))
@@ -169,3 +173,12 @@ def test_buffers_move_with_the_params_to_the_meshs_device():
     control here.)"""
     for r in run_on_ranks(_buffers_follow_the_mesh, WORLD):
         assert r == ("meta", "meta")
+
+
+def test_deepcopy_of_a_sharded_module_is_refused_clearly(ranks):
+    """Before: ``TypeError: cannot pickle 'ProcessGroup' object`` from deep inside copy (FSDP2: "FSDP does not
+    support deepcopy")."""
+    for r in ranks:
+        assert r["fsdp2", "deepcopy"] is not None
+        assert r["ours", "deepcopy"].startswith("TypeError: copy.deepcopy of a ragged_optim.fully_shard")
+        assert "get_full_state_dict" in r["ours", "deepcopy"]
