@@ -138,7 +138,7 @@ class RootContext:
     def _final_callback(self) -> None:
         for s in self.states:  # units whose inputs needed no grad: their post-backward runs here, in a fixed order
             if s.training_state != TrainingState.IDLE or s.post_forward_indices or s.has_grads_to_sync():
-                s.post_backward()
+                s.post_backward(last=True)
             s.training_state = TrainingState.IDLE
         while self.reduces_in_flight:
             self.reduces_in_flight.popleft().finish_reduce_grads()
@@ -284,12 +284,16 @@ class ModuleState:
         the synced backward reduces them even though this unit is not in its graph."""
         return any(u.holds_unreduced_grads and u.requires_grad_sync for u in self.units)
 
-    def post_backward(self):
-        """Reduce-scatter what this unit's backward produced and reshard. Runs once per use of the module in
-        the forward (a module run twice reduces twice; the results add up in the sharded grads)."""
+    def post_backward(self, *, last: bool = False):
+        """Reduce-scatter what this unit's backward produced and reshard. Runs once per use of the module in the
+        forward; while another use's backward is still to come (a block run twice, two forwards before one
+        backward) the grads stay in the flat grad buffer, where that backward adds to them, and one reduce-scatter
+        follows the last use (as FSDP2 does; before, one per use). ``last``: the end-of-backward callback, which
+        reduces whatever is left (a use whose output the loss did not need)."""
         self.training_state = TrainingState.POST_BACKWARD
+        defer = self.post_forward_indices and not last
         for u in self.units:
-            if u.post_backward_grads():
+            if not defer and u.post_backward_grads():
                 self.ctx.track_reduce(u)
             u.reshard()
 

@@ -136,8 +136,47 @@ def _freeze_mid_accumulation(rank, world_size, shard):
     return [_grads(model, shard is not None)]
 
 
+class _Shared(nn.Module):
+    """A block applied three times per forward (a universal transformer's weight reuse)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.block = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        for _ in range(3):
+            x = torch.tanh(self.block(x))
+        return self.head(x)
+
+
+def _reused_block(rank, world_size, shard):
+    """Grads and reduce-scatters of one backward through a block run 3 times, then of two forwards summed."""
+    from ragged_optim.comm.counter import count_collectives
+
+    model = _Shared()
+    shard(model.block)
+    shard(model)
+    out = []
+    for two_forwards in (False, True):
+        g = torch.Generator().manual_seed(rank)
+        x, y = torch.randn(3, 8, generator=g), torch.randn(3, 3, generator=g)
+        with count_collectives() as stats:
+            loss = F.mse_loss(model(x), y)
+            if two_forwards:
+                loss = loss + F.mse_loss(model(2 * x), y)
+            loss.backward()
+        grads = _grads(model, True)
+        model.zero_grad()
+        out.append((stats.calls.get("reduce_scatter", 0), grads))
+    return out
+
+
 def _on_ranks(rank, world_size):
     out = {}
+    for name, shard in SHARDERS.items():
+        out[name, "reused"] = _reused_block(rank, world_size, shard)
     out["ref", "multi_task", "fp32"] = _multi_task(rank, world_size, None, None)
     for name, shard in SHARDERS.items():
         out[name, "multi_task", "fp32"] = _multi_task(rank, world_size, shard, None)
@@ -178,3 +217,14 @@ def test_a_unit_used_only_in_a_no_sync_micro_batch_gets_its_grads(ranks, mode):
 def test_freezing_a_unit_mid_accumulation_keeps_its_grads(ranks):
     for r in ranks:
         _check(r, "freeze", "fp32")
+
+
+def test_a_block_used_several_times_is_reduced_once_per_backward(ranks):
+    """A block run 3 times in a forward, then two forwards summed before one backward: one reduce-scatter per unit
+    and backward, as FSDP2 (before: one per use, 4 for the block run 3 times where FSDP2 has 2), and the same grads
+    as FSDP2's."""
+    for r in ranks:
+        for (ours_n, ours_g), (fsdp2_n, fsdp2_g) in zip(r["ours", "reused"], r["fsdp2", "reused"]):
+            assert ours_n == fsdp2_n == 2, (ours_n, fsdp2_n)
+            for n, g in fsdp2_g.items():
+                assert (ours_g[n] - g).abs().max().item() <= allowed(0.0, g.abs().max().item()), n
