@@ -130,10 +130,15 @@ class RootContext:
             self.callback_queued = True
             Variable._execution_engine.queue_callback(self._final_callback)
 
+    def make_room_for_reduce(self) -> None:
+        """Finish reduce-scatters in flight until one more may start without exceeding the limit: the previous one's
+        input and output are freed before the next one's output is allocated (before, the next was issued first, so
+        two were in flight at the backward's peak)."""
+        while len(self.reduces_in_flight) >= MAX_REDUCES_IN_FLIGHT:
+            self.reduces_in_flight.popleft().finish_reduce_grads()
+
     def track_reduce(self, unit: FlatUnit) -> None:
         self.reduces_in_flight.append(unit)
-        while len(self.reduces_in_flight) > MAX_REDUCES_IN_FLIGHT:
-            self.reduces_in_flight.popleft().finish_reduce_grads()
 
     def _final_callback(self) -> None:
         for s in self.states:  # units whose inputs needed no grad: their post-backward runs here, in a fixed order
@@ -219,7 +224,8 @@ class ModuleState:
         if grad:
             self.post_forward_indices.append(len(ctx.post_forward_order))
             ctx.post_forward_order.append(self)
-        keep = grad and (self.is_root or not self.reshard_after_forward)
+        # the forward hook runs when forward raised too, with no output: nothing will read the params then
+        keep = grad and output is not None and (self.is_root or not self.reshard_after_forward)
         if not keep:
             for u in self.units:
                 u.reshard()
@@ -293,6 +299,8 @@ class ModuleState:
         self.training_state = TrainingState.POST_BACKWARD
         defer = self.post_forward_indices and not last
         for u in self.units:
+            if not defer and u.holds_unreduced_grads and u.requires_grad_sync:
+                self.ctx.make_room_for_reduce()
             if not defer and u.post_backward_grads():
                 self.ctx.track_reduce(u)
             u.reshard()

@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ragged_optim.comm.launch import run_on_ranks
 from ragged_optim.sharding import full_grad, full_tensor, fully_shard
+from ragged_optim.sharding.fully_shard import units_of
 
 LR, EPS, STEPS = 1e-4, 1e-6, 3  # see test_fsdp_runtime.py: AdamW must not amplify last-bit grad differences
 
@@ -403,6 +404,8 @@ def _train_with_failures(rank, world_size):
             except _Boom:
                 if name == "fsdp2":
                     model.reset_iter_state()  # FSDP2 asks for this after a failure; ours needs nothing
+                else:  # no unit holds gathered params after a forward that raised (before: the root did)
+                    out["gathered_after_failure", step] = [u.is_unsharded for u in units_of(model)]
             opt.zero_grad()
         out[name] = _params(model)
         fresh = shard(make_model(), fs)  # and a new model in the same process trains as if nothing happened
@@ -430,6 +433,7 @@ def test_exceptions_in_forward_and_backward_leave_nothing_behind(world_size):
     this model or a new one, left .grad None with no error; a forward that raised left its depth above 0, so no
     later forward counted as a root. Here the user catches both and trains on, on the same and on a new model."""
     r = run_on_ranks(_train_with_failures, world_size)[0]
+    assert not any(r["gathered_after_failure", FAIL_FORWARD]), r["gathered_after_failure", FAIL_FORWARD]
     ref = one_process(steps=4, micro_batches=world_size, step_fn=_skipping_failed_steps)
     fsdp2 = _dist(r["fsdp2"], ref)
     assert _dist(r["ours"], ref) <= bound(world_size, fsdp2, steps=4, step_fn=_skipping_failed_steps)
