@@ -107,7 +107,7 @@ def _agreement_groups(params: list[Tensor]) -> list:
     are told apart by their ranks, so two group objects over the same ranks are one. Params on several meshes:
     the world. Never the world for one mesh: ranks outside it may be busy with other work (before, they made the
     step hang, and two HSDP jobs in one world skipped each other's steps)."""
-    meshes = {}
+    pairs = {}  # by object first: the ranks of each distinct pair are looked up once (this runs every step)
     for p in params:
         info = shard_info(p)
         if info is not None:
@@ -119,8 +119,10 @@ def _agreement_groups(params: list[Tensor]) -> list:
             pair = (mesh.get_group(), None)
         else:
             continue
-        key = tuple(None if g is None else tuple(dist.get_process_group_ranks(g)) for g in pair)
-        meshes.setdefault(key, pair)
+        pairs.setdefault((id(pair[0]), id(pair[1])), pair)
+    meshes = {}
+    for pair in pairs.values():
+        meshes.setdefault(tuple(None if g is None else tuple(dist.get_process_group_ranks(g)) for g in pair), pair)
     if not meshes:
         return []
     if len(meshes) > 1:
