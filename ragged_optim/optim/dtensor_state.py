@@ -31,17 +31,17 @@ from ragged_optim.sharding.state_dict import local_piece
 __all__ = ["dtensor_state_from_dcp", "dtensor_state_to_dcp"]
 
 
-def _fsdp2_params(opt, state_dict: dict) -> list[tuple[Any, torch.Tensor]]:
-    """(saved param id, param) of every torch DTensor param of ``opt`` (not ours: ragged params have their own
-    hooks), matched by position as torch's loader does; [] when the groups do not line up."""
+def _fsdp2_params(opt, state_dict: dict) -> list[tuple[Any, torch.Tensor, dict]]:
+    """(saved param id, param, its group) of every torch DTensor param of ``opt`` (not ours: ragged params have
+    their own hooks), matched by position as torch's loader does; [] when the groups do not line up."""
     groups = state_dict.get("param_groups")
     if not isinstance(groups, list):
         return []
     ids = [i for g in groups if isinstance(g, dict) for i in g.get("params", [])]
-    params = [p for g in opt.param_groups for p in g["params"]]
+    params = [(p, g) for g in opt.param_groups for p in g["params"]]
     if len(ids) != len(params):
         return []  # torch's own check says what is wrong
-    return [(i, p) for i, p in zip(ids, params) if is_dtensor(p) and shard_info(p) is None]
+    return [(i, p, g) for i, (p, g) in zip(ids, params) if is_dtensor(p) and shard_info(p) is None]
 
 
 def dtensor_state_to_dcp(opt, state_dict: dict) -> dict:
@@ -50,11 +50,11 @@ def dtensor_state_to_dcp(opt, state_dict: dict) -> dict:
     if not pairs:
         return state_dict
     state = dict(state_dict["state"])
-    for pid, p in pairs:
+    for pid, p, group in pairs:
         st = state.get(pid)
         if not isinstance(st, dict):
             continue
-        shape, group = local(p).shape, _group_of(opt, p)
+        shape = local(p).shape
         out = {}
         for k, v in st.items():
             if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.dim() > 0:
@@ -67,10 +67,6 @@ def dtensor_state_to_dcp(opt, state_dict: dict) -> dict:
             out[k] = v
         state[pid] = out
     return {**state_dict, "state": state}
-
-
-def _group_of(opt, p) -> dict:
-    return next(g for g in opt.param_groups if any(q is p for q in g["params"]))
 
 
 def _layout(opt, p, key: str, group: dict):
@@ -97,11 +93,11 @@ def dtensor_state_from_dcp(opt, state_dict: Any) -> Any:
     if not pairs:
         return state_dict
     state = dict(state_dict["state"])
-    for pid, p in pairs:
+    for pid, p, group in pairs:
         st = state.get(pid)
         if not isinstance(st, dict):
             continue
-        out, group = {}, _group_of(opt, p)
+        out = {}
         for k, v in st.items():
             if isinstance(v, torch.Tensor) and v.dim() > 0 and (layout := _layout(opt, p, k, group)) is not None:
                 shape, ranges = layout
