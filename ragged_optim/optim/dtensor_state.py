@@ -44,29 +44,36 @@ def _fsdp2_params(opt, state_dict: dict) -> list[tuple[Any, torch.Tensor, dict]]
     return [(i, p, g) for i, (p, g) in zip(ids, params) if is_dtensor(p) and shard_info(p) is None]
 
 
-def dtensor_state_to_dcp(opt, state_dict: dict) -> dict:
-    """``state_dict`` with the local-piece state of FSDP2 params as DTensors (new dicts; views of the state)."""
+def _map_state(opt, state_dict: dict, entry) -> dict:
+    """``state_dict`` with each tensor entry of an FSDP2 param's state replaced by ``entry(opt, p, group, key,
+    value)`` (new dicts; the optimizer's own state is not touched)."""
     pairs = _fsdp2_params(opt, state_dict)
     if not pairs:
         return state_dict
     state = dict(state_dict["state"])
     for pid, p, group in pairs:
         st = state.get(pid)
-        if not isinstance(st, dict):
-            continue
-        shape = local(p).shape
-        out = {}
-        for k, v in st.items():
-            if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.dim() > 0:
-                if (layout := _layout(opt, p, k, group)) is not None:
-                    v = ragged_dtensor(v, *layout, dist.get_rank(process_group(p)), process_group(p))
-                elif v.shape == shape:
-                    v = DTensor.from_local(
-                        v, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
-                    )
-            out[k] = v
-        state[pid] = out
+        if isinstance(st, dict):
+            state[pid] = {
+                k: entry(opt, p, group, k, v) if isinstance(v, torch.Tensor) and v.dim() > 0 else v
+                for k, v in st.items()
+            }
     return {**state_dict, "state": state}
+
+
+def _to_dcp(opt, p, group: dict, key: str, v: torch.Tensor) -> torch.Tensor:
+    if isinstance(v, DTensor):
+        return v
+    if (layout := _layout(opt, p, key, group)) is not None:
+        return ragged_dtensor(v, *layout, dist.get_rank(process_group(p)), process_group(p))
+    if v.shape == local(p).shape:
+        return DTensor.from_local(v, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+    return v
+
+
+def dtensor_state_to_dcp(opt, state_dict: dict) -> dict:
+    """``state_dict`` with the local-piece state of FSDP2 params as DTensors (views of the state)."""
+    return _map_state(opt, state_dict, _to_dcp)
 
 
 def _layout(opt, p, key: str, group: dict):
@@ -84,30 +91,23 @@ def _local_rows(full: torch.Tensor, p: DTensor) -> torch.Tensor:
     return full[index]
 
 
+def _from_dcp(opt, p, group: dict, key: str, v: torch.Tensor) -> torch.Tensor:
+    if (layout := _layout(opt, p, key, group)) is not None:
+        shape, ranges = layout
+        if tuple(v.shape) == tuple(shape) or isinstance(v, DTensor):  # else: a rank-local piece, as saved
+            return local_piece(v, ranges, dist.get_rank(process_group(p)), shape, ())
+        return v
+    if isinstance(v, DTensor) and v.shape == p.shape:
+        same = v.device_mesh == p.device_mesh and tuple(v.placements) == tuple(p.placements)
+        return (v if same else v.redistribute(p.device_mesh, p.placements)).to_local()
+    if not isinstance(v, DTensor) and v.shape == p.shape:
+        return _local_rows(v, p)
+    return v
+
+
 def dtensor_state_from_dcp(opt, state_dict: Any) -> Any:
     """The inverse for loading: state of FSDP2 params as this rank's local pieces (a collective when a DTensor's
     placements differ from the param's: every rank loads together, as with torch's optimizers)."""
     if not (isinstance(state_dict, dict) and isinstance(state_dict.get("state"), dict)):
         return state_dict
-    pairs = _fsdp2_params(opt, state_dict)
-    if not pairs:
-        return state_dict
-    state = dict(state_dict["state"])
-    for pid, p, group in pairs:
-        st = state.get(pid)
-        if not isinstance(st, dict):
-            continue
-        out = {}
-        for k, v in st.items():
-            if isinstance(v, torch.Tensor) and v.dim() > 0 and (layout := _layout(opt, p, k, group)) is not None:
-                shape, ranges = layout
-                if tuple(v.shape) == tuple(shape) or isinstance(v, DTensor):  # else: a rank-local piece, as saved
-                    v = local_piece(v, ranges, dist.get_rank(process_group(p)), shape, ())
-            elif isinstance(v, DTensor) and v.shape == p.shape:
-                same = v.device_mesh == p.device_mesh and tuple(v.placements) == tuple(p.placements)
-                v = (v if same else v.redistribute(p.device_mesh, p.placements)).to_local()
-            elif isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.dim() > 0 and v.shape == p.shape:
-                v = _local_rows(v, p)
-            out[k] = v
-        state[pid] = out
-    return {**state_dict, "state": state}
+    return _map_state(opt, state_dict, _from_dcp)
