@@ -48,10 +48,15 @@ def _child(fn, rank, world_size, args, kwargs, store_path, timeout_s, threads, c
             timeout=datetime.timedelta(seconds=timeout_s),
             **extra,
         )
+        ok = False
         try:
             result = fn(rank, world_size, *args, **kwargs)
+            ok = True
         finally:
-            dist.destroy_process_group()
+            if dist.is_initialized():  # (fn may have ended it itself)
+                if ok:  # a rank that leaves at once would close its sockets while slower peers still connect
+                    dist.barrier()
+                dist.destroy_process_group()
         # Plain pickle keeps tensors in-band: multiprocessing's own reducers would pass them through shared
         # memory handles that die with this process.
         conn.send(("ok", pickle.dumps(result)))
@@ -82,12 +87,23 @@ def run_on_ranks(
 ) -> list[Any]:
     """Call ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` forked gloo ranks; return their results.
 
-    Results must be picklable. A rank that raises, dies or exceeds ``timeout_s`` ends the run with
-    ``RankFailure`` naming the rank; the remaining ranks are killed, so nothing hangs.
+    Results must be picklable. A rank that raises, dies or exceeds ``timeout_s`` (collectives time out then; a rank
+    stuck outside a collective is given 30 s more) ends the run with ``RankFailure`` naming the rank; the remaining
+    ranks are killed, so nothing hangs; an interrupt (``KeyboardInterrupt``) kills them too.
+    ``threads_per_rank`` > 1: once this process has run a parallel op (a matmul), a forked rank can hang in its
+    first parallel region (GNU OpenMP is not fork-safe); the default, 1, never does.
     ``device="cuda"``: NCCL ranks, rank r on GPU r (``fn`` must be importable: CUDA ranks are spawned, not forked).
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():  # the forked ranks would inherit it and fail to start theirs
+        raise RuntimeError(
+            "run_on_ranks starts a process group in each rank it forks, but this process already has one "
+            "(torch.distributed is initialized here): call torch.distributed.destroy_process_group() first, or, "
+            "under torchrun, call the function on each rank yourself instead of run_on_ranks"
+        )
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' (gloo) or 'cuda' (NCCL), got {device!r}")
     if device == "cuda":
@@ -126,7 +142,7 @@ def _collect(procs, conns, timeout_s: float) -> list[Any]:
     deadline = time.monotonic() + timeout_s + 30.0
     results: list[Any] = [None] * len(procs)
     pending = set(range(len(procs)))
-    failure = None
+    failure, done = None, False
     try:
         while pending and failure is None:
             for rank in sorted(pending):
@@ -150,12 +166,17 @@ def _collect(procs, conns, timeout_s: float) -> list[Any]:
                     pending.discard(rank)
                     break
             if failure is None and time.monotonic() > deadline:
-                failure = RankFailure(f"ranks {sorted(pending)} did not finish within {timeout_s:.0f} s")
+                failure = RankFailure(
+                    f"ranks {sorted(pending)} did not finish within {timeout_s + 30:.0f} s (timeout_s={timeout_s:g} "
+                    "for collectives, plus 30 s): a rank waiting outside a collective, or (threads_per_rank > 1) "
+                    "a forked rank stuck in OpenMP"
+                )
         if failure is not None:
             failure = _with_peer_errors(failure, procs, conns, pending)
+        done = True
     finally:
-        for p in procs:
-            if failure is not None and p.is_alive():
+        for p in procs:  # on a failure or an interrupt (done unset), no rank may outlive the call
+            if (failure is not None or not done) and p.is_alive():
                 p.kill()
             p.join(timeout=5)
     if failure is not None:

@@ -131,8 +131,10 @@ def _first_mismatch(sharded, single, rtol, atol) -> _Diff | None:
             a = a_step[name]
             diff = (a - b).abs()
             bound = atol + rtol * b.abs()
-            if diff.numel() and bool((diff > bound).any()):
-                flat = int(torch.argmax(diff - bound))
+            # not "diff > bound": a NaN on one side only compares False and passed (both NaN: equal)
+            off = ~(diff <= bound) & ~(a.isnan() & b.isnan())
+            if diff.numel() and bool(off.any()):
+                flat = int(torch.nonzero(off.reshape(-1))[0])  # the first in row-major order, as documented
                 index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), b.shape)) if b.ndim else ()
                 return _Diff(
                     step,

@@ -88,3 +88,66 @@ def test_reference_run_uses_one_thread_as_the_ranks_do():
         assert torch.get_num_threads() == 2  # the caller's setting is given back
     finally:
         torch.set_num_threads(threads)
+
+
+class _OneVector(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = nn.Parameter(torch.randn(5))
+
+
+class _LocalVarianceSGD(torch.optim.Optimizer):
+    """SGD times (variance / variance) of the local grad: 1 in one process, NaN on a rank holding one element."""
+
+    def __init__(self, params):
+        super().__init__(params, dict(lr=0.1))
+
+    @torch.no_grad()
+    def step(self):
+        for p in self.param_groups[0]["params"]:
+            g = p.grad
+            if g.numel():
+                v = g.var()
+                p.add_(g * (v / v), alpha=-0.1)
+
+
+def test_a_nan_only_the_sharded_run_makes_is_a_mismatch():
+    """Before: ``diff > bound`` is False for NaN, so a sharded run ending in NaN passed. The report names the first
+    index that differs (row-major), as the README says."""
+    with pytest.raises(ShardedMismatch) as e:
+        assert_sharded_matches_single(_OneVector, lambda m: _LocalVarianceSGD(m.parameters()), world_size=4, steps=1)
+    assert "step 0" in str(e.value) and "'w'" in str(e.value) and "nan" in str(e.value), str(e.value)
+
+
+def test_run_on_ranks_refuses_a_process_that_already_has_a_process_group(monkeypatch):
+    """Before: every forked rank failed with ``trying to initialize the default process group twice!``."""
+    from ragged_optim.testing import run_on_ranks
+
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    with pytest.raises(RuntimeError, match="already has one"):
+        run_on_ranks(print, 2)
+
+
+def test_an_interrupt_kills_the_ranks():
+    """Before: on KeyboardInterrupt the parent only joined each rank for 5 s and left them running (until gloo's
+    timeout). A child process is interrupted while its 2 ranks sleep; none may be left."""
+    import subprocess
+    import sys
+
+    script = (
+        "import os, signal, threading, time, multiprocessing as mp\n"
+        "from ragged_optim.testing import run_on_ranks\n"
+        "def sleeper(rank, world):\n"
+        "    time.sleep(60)\n"
+        "threading.Timer(6.0, lambda: os.kill(os.getpid(), signal.SIGINT)).start()\n"
+        "t0 = time.monotonic()\n"
+        "try:\n"
+        "    run_on_ranks(sleeper, 2)\n"
+        "except KeyboardInterrupt:\n"
+        "    print('interrupted', len(mp.active_children()), round(time.monotonic() - t0))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    words = out.stdout.split()
+    assert words[:2] == ["interrupted", "0"], out.stdout + out.stderr
+    assert int(words[2]) < 20, out.stdout  # not the 5 s join per rank, nor gloo's timeout
