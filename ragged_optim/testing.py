@@ -41,6 +41,11 @@ def world_sizes(min_size: int = 1, max_size: int = 8):
     """A hypothesis strategy for world sizes, odd ones included."""
     from hypothesis import strategies as st
 
+    if not (isinstance(min_size, int) and isinstance(max_size, int) and 1 <= min_size <= max_size):
+        raise ValueError(
+            f"world_sizes(min_size={min_size!r}, max_size={max_size!r}): world sizes are ints with "
+            "1 <= min_size <= max_size"
+        )
     return st.integers(min_size, max_size)
 
 

@@ -151,3 +151,10 @@ def test_an_interrupt_kills_the_ranks():
     words = out.stdout.split()
     assert words[:2] == ["interrupted", "0"], out.stdout + out.stderr
     assert int(words[2]) < 20, out.stdout  # not the 5 s join per rank, nor gloo's timeout
+
+
+@pytest.mark.parametrize("bounds", [(0, 3), (-1, 2), (5, 2)])
+def test_world_sizes_refuses_bounds_that_are_no_world_size(bounds):
+    """Before: (0, 3) and (-1, 2) drew 0 and negative world sizes; (5, 2) failed inside hypothesis."""
+    with pytest.raises(ValueError, match="1 <= min_size <= max_size"):
+        world_sizes(*bounds)
