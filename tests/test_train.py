@@ -279,3 +279,57 @@ def test_every_train_option_has_help_and_its_default():
         if action.option_strings and action.dest != "help":
             assert action.help, f"{action.option_strings} has no help"
     assert "(default: 200)" in text and "(default: muon)" in text and "(default: None)" in text
+
+
+def test_one_process_reference_is_bitwise_one_rank_sharded(tmp_path):
+    """``--fsdp none`` is the reference sharded runs must match: it now runs on one thread, as each forked rank does.
+    Before, it used torch's default thread count, and Shampoo's inverse roots turned the different summation
+    order into 5.6e-2 of final loss (bitwise equal with OMP_NUM_THREADS=1)."""
+    losses = {}
+    for fsdp in ("none", "ours"):
+        out = str(tmp_path / fsdp)
+        argv = [*COMMON, "--steps", "4", "--world-size", "1", "--fsdp", fsdp, "--out", out]
+        argv[argv.index("adamw")] = "shampoo"
+        assert main(argv) == 0
+        losses[fsdp] = _summary(out)["losses"]
+    assert losses["none"] == losses["ours"]
+
+
+def test_default_run_folder_is_checked_before_any_rank_starts(monkeypatch, capsys, tmp_path):
+    """Without --out the run folder is chosen in the parent; it is now validated there too. Before, an unwritable
+    default folder was found by every rank: a RankFailure traceback naming an --out never passed."""
+    from ragged_optim.train import loop
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")  # a folder under a file cannot be made, by root either
+    monkeypatch.setattr(loop, "run_folder", lambda cfg, world_size: str(blocker / "run"))
+    monkeypatch.setattr(loop, "run_on_ranks", None, raising=False)  # (reaching the ranks would fail loudly)
+    with pytest.raises(SystemExit) as e:
+        main([*COMMON, "--world-size", "2"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "is not a writable folder" in err and "Traceback" not in err
+
+
+def test_two_runs_sharing_a_checkpoint_dir_keep_their_own_writes(tmp_path, monkeypatch):
+    """Two jobs given one --checkpoint-dir: each save now writes into a folder of its own before the rename. Before,
+    both used ``.tmp-step_N`` and each rank 0 deleted the other's: the second job died at its first checkpoint
+    (``Parent directory .../.tmp-step_00000001/state.tmp-... does not exist``). Here job B's whole save runs in
+    the middle of job A's (after A's model state, before its RNG state)."""
+    from ragged_optim.train import checkpointing
+    from ragged_optim.train.checkpointing import Checkpointer, latest_checkpoint
+
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    a, b = (Checkpointer(str(tmp_path), "torch", 0, 1) for _ in range(2))
+    real_save, nested = torch.save, []
+
+    def save_with_b_inside(*args, **kwargs):
+        if not nested:
+            nested.append("b started")
+            nested.append(b.save(1, model, opt, {"job": "b"}))
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(checkpointing.torch, "save", save_with_b_inside)
+    a.save(1, model, opt, {"job": "a"})
+    assert nested and latest_checkpoint(str(tmp_path)).endswith("step_00000001")

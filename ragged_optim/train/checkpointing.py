@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shutil
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -19,6 +20,15 @@ _CKPT_RE = re.compile(r"^step_(\d{8})$")
 
 def _dist_on() -> bool:
     return dist.is_available() and dist.is_initialized()
+
+
+def _from_rank0(obj):
+    """Rank 0's ``obj`` on every rank (a collective when distributed)."""
+    if not _dist_on() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _barrier() -> None:
@@ -42,7 +52,7 @@ class Checkpointer:
     """Model + optimizer via torch.distributed.checkpoint (``ragged_optim.save_checkpoint`` for our sharding, which
     reshards to any world size; torch's ``get_state_dict`` for FSDP2), plus step, loss history and RNG state.
 
-    A checkpoint is written into ``.tmp-step_N`` and renamed to ``step_N`` once every rank has finished, with
+    A checkpoint is written into ``.tmp-step_N-<id>`` and renamed to ``step_N`` once every rank has finished, with
     ``meta.json`` written last: a folder named ``step_N`` holding ``meta.json`` is complete.
     """
 
@@ -57,11 +67,13 @@ class Checkpointer:
         import torch.distributed.checkpoint as dcp
 
         final = os.path.join(self.dir, f"step_{step:08d}")
-        tmp = os.path.join(self.dir, f".tmp-step_{step:08d}")
+        # a folder of this save's own (rank 0 names it): two runs sharing --checkpoint-dir each write their own
+        # (before, both used .tmp-step_N and each rank 0 deleted the other's)
+        tmp = None
         if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)
-        _barrier()
+            os.makedirs(self.dir, exist_ok=True)
+            tmp = tempfile.mkdtemp(prefix=f".tmp-step_{step:08d}-", dir=self.dir)
+        tmp = _from_rank0(tmp)
         if self.kind == "ours":
             save_checkpoint(os.path.join(tmp, "state"), model, [opt])
         else:

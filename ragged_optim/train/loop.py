@@ -257,15 +257,21 @@ def run(cfg: TrainConfig) -> dict | None:
     rank0 = not torchrun or os.environ["RANK"] == "0"
     if _already_done(cfg, announce=rank0):
         return None
-    # the folder is fixed here, so forked ranks inherit one name
+    # the folder is fixed here, so forked ranks inherit one name; checked again now that it has one
     cfg = dataclasses.replace(cfg, out=run_folder(cfg, world_size))
+    cfg.validate(world_size)
     if rank0:
         print(f"run folder: {cfg.out}", file=sys.stderr, flush=True)
     if torchrun:
         return _run_torchrun(cfg)
     load_corpus()  # read once here; forked ranks inherit it
-    if cfg.fsdp == "none":
-        return train_rank(0, 1, cfg, "cpu")
+    if cfg.fsdp == "none":  # one thread, as each forked rank runs: the reference sharded runs must match bitwise
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return train_rank(0, 1, cfg, "cpu")
+        finally:
+            torch.set_num_threads(threads)
     from ragged_optim.comm.launch import run_on_ranks
 
     return run_on_ranks(_rank_entry, world_size, cfg, timeout_s=cfg.timeout_s)[0]
