@@ -65,7 +65,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument(
         "--checkpoint-every", type=int, default=d.checkpoint_every, help="steps between checkpoints (and the last)"
     )
-    p.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the latest complete checkpoint (the lr schedule is the one of this run's --steps: "
+        "a resume with more steps than the first run continues on a longer schedule)",
+    )
     p.add_argument(
         "--out", default=d.out, help="folder for summary.json and loss.png (None: runs/<optimizer>-w<W>-<timestamp>)"
     )
