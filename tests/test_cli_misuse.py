@@ -240,3 +240,9 @@ def test_plan_module_of_the_current_folder_imports_as_with_python_m(capsys):
     assert ok.returncode == 0, ok.stderr.decode()
     err = _usage_error(capsys, "plan", "--module", "nosuch_pkg_q:X", "--world-size", "2")
     assert "ragged-optim plan: error: --module nosuch_pkg_q:X: cannot import it" in err
+
+
+def test_a_seq_len_longer_than_the_text_is_a_usage_error(capsys):
+    """Before: ``train --preset tiny --seq-len 1000000`` ran for minutes with no output (killed at 300 s)."""
+    err = _usage_error(capsys, "train", "--preset", "tiny", "--seq-len", "1000000", "--world-size", "2")
+    assert "--seq-len 1000000 is longer than the validation text" in err

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from ragged_optim.comm.counter import CommStats, count_collectives
 from ragged_optim.data import get_batch, load_corpus
-from ragged_optim.models import GPT, build_model, num_params
+from ragged_optim.models import GPT, build_model, get_config, num_params
 from ragged_optim.train.accounting import optimizer_state_bytes, param_bytes
 from ragged_optim.train.checkpointing import Checkpointer, latest_checkpoint
 from ragged_optim.train.config import ConfigError, TrainConfig, lr_multiplier, run_folder
@@ -260,6 +260,7 @@ def run(cfg: TrainConfig) -> dict | None:
     # the folder is fixed here, so forked ranks inherit one name; checked again now that it has one
     cfg = dataclasses.replace(cfg, out=run_folder(cfg, world_size))
     cfg.validate(world_size)
+    _check_seq_len(cfg)
     if rank0:
         print(f"run folder: {cfg.out}", file=sys.stderr, flush=True)
     if torchrun:
@@ -275,6 +276,18 @@ def run(cfg: TrainConfig) -> dict | None:
     from ragged_optim.comm.launch import run_on_ranks
 
     return run_on_ranks(_rank_entry, world_size, cfg, timeout_s=cfg.timeout_s)[0]
+
+
+def _check_seq_len(cfg: TrainConfig) -> None:
+    """Every sequence is a window of the text (the validation split is the shorter): a longer --seq-len is refused
+    here (before: minutes of silence)."""
+    val = len(load_corpus().val)
+    seq_len = cfg.seq_len or get_config(cfg.preset).seq_len
+    if seq_len + 1 > val:
+        raise ConfigError(
+            f"--seq-len {seq_len} is longer than the validation text ({val:,} bytes), of which every sequence is a "
+            "window: use a shorter --seq-len (the presets use 64-256)"
+        )
 
 
 def _run_torchrun(cfg: TrainConfig) -> dict | None:
