@@ -51,6 +51,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ragged_optim.optim.blocks import BlockOptimizer
 from ragged_optim.sharding import shard_info
 from ragged_optim.sharding.ragged_dtensor import RaggedDTensor
 from ragged_optim.sharding.state_dict import _block_ranges, _ranges, optimizer_state_to_dcp, sharded_dtensor
@@ -70,7 +71,6 @@ COMPLETE_MARKER = "COMPLETE"
 META_FILE = "meta.pt"
 FORMAT_VERSION = 2
 # Group hyperparameters that fix the shape of an optimizer's state: a checkpoint with other values cannot load.
-LAYOUT_KEYS = ("block_size", "max_preconditioner_dim", "min_8bit_size", "qmaps")
 
 
 class CheckpointError(RuntimeError):
@@ -600,19 +600,14 @@ def _check_optimizer(path: str, rec: dict, model, opt, which: int) -> list[str]:
             f"(group sizes {sizes} vs saved {saved_sizes}; params in only one of them: {diff[:4]}). Build the "
             "optimizer with the same param groups, in the same order, as when it was saved"
         )
-    for gi, (g, sg) in enumerate(zip(opt.param_groups, rec["groups"])):
-        for k in LAYOUT_KEYS:
-            if k in g and k in sg and tuple(_as_tuple(g[k])) != tuple(_as_tuple(sg[k])):
-                raise CheckpointError(
-                    f"checkpoint {path!r}: optimizer {which} ({type(opt).__name__}) param_groups[{gi}] has "
-                    f"{k}={g[k]!r} but the checkpoint was saved with {k}={sg[k]!r}: its state has another shape. "
-                    f"Build the optimizer with {k}={sg[k]!r}"
-                )
+    if isinstance(opt, BlockOptimizer) and (diff := opt.layout_difference(rec["groups"])) is not None:
+        gi, k, saved, here = diff
+        raise CheckpointError(
+            f"checkpoint {path!r}: optimizer {which} ({type(opt).__name__}) param_groups[{gi}] has {k}={here!r} but "
+            f"the checkpoint was saved with {k}={saved!r}: its state has another shape. Build the optimizer with "
+            f"{k}={saved!r}"
+        )
     return fqns
-
-
-def _as_tuple(v):
-    return v if isinstance(v, list | tuple) else (v,)
 
 
 def _optim_request(path, opt, p, fqn: str, group: dict, stored: dict, request: dict, claimed: list) -> dict:

@@ -90,7 +90,7 @@ class AdamW8bit(RaggedOptimizer):
     (in element order); :meth:`state_ranges` names their flat element ranges.
     """
 
-    _layout_keys = ("block_size", "min_8bit_size", "qmaps")
+    layout_keys = ("block_size", "min_8bit_size", "qmaps")
 
     def __init__(
         self,

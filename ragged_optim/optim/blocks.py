@@ -239,8 +239,8 @@ def _local_block_spans(spec: BlockSpec, lo: int, hi: int, numel: int, skip: set[
     return out
 
 
-def _as_tuple(v):
-    return tuple(v) if isinstance(v, list) else v
+def _layout_value(v):
+    return tuple(v) if isinstance(v, list) else v  # a state dict may turn a tuple into a list
 
 
 class BlockOptimizer(torch.optim.Optimizer):
@@ -255,8 +255,9 @@ class BlockOptimizer(torch.optim.Optimizer):
     #: ``Optimizer.__getstate__`` keeps only defaults, state and param_groups). Subclasses add theirs.
     _settings_attrs: tuple[str, ...] = ("_block_allow_split",)
     #: Group hyperparameters that decide the blocks (and so the layout and the shape of the state): they cannot
-    #: change between steps (checked at each step; a change raises before anything is updated).
-    _layout_keys: tuple[str, ...] = ()
+    #: change between steps (checked at each step; a change raises before anything is updated), and state saved
+    #: with other values does not load (:meth:`layout_difference`).
+    layout_keys: tuple[str, ...] = ()
 
     def __init__(self, params, defaults: dict[str, Any], *, allow_split: bool = True) -> None:
         super().__init__(params, defaults)
@@ -298,32 +299,38 @@ class BlockOptimizer(torch.optim.Optimizer):
         )
         self.__dict__.pop("_block_routing", None)
         self.__dict__.pop("_block_specs", None)
-        self._layout_values = self._layout_values_now()
+        self.record_layout()
 
-    def _layout_values_now(self, groups=None) -> list[tuple]:
-        """Each group's :attr:`_layout_keys` values (lists as tuples: a state dict may turn one into the other)."""
-        groups = self.param_groups if groups is None else groups
-        return [tuple(_as_tuple(g.get(k)) for k in self._layout_keys) for g in groups]
+    def record_layout(self) -> None:
+        """Remember each group's :attr:`layout_keys` values as the ones the blocks and state were made for."""
+        self._layout_groups = [{k: g[k] for k in self.layout_keys if k in g} for g in self.param_groups]
+
+    def layout_difference(self, groups: list[dict]) -> tuple[int, str, Any, Any] | None:
+        """The first ``(group index, key, value in groups, value here)`` where ``groups`` (saved ones, or the ones
+        recorded) differ from this optimizer's in a :attr:`layout_keys` hyperparameter both have; else None."""
+        for gi, (g, mine) in enumerate(zip(groups, self.param_groups)):
+            for k in self.layout_keys:
+                if k in g and k in mine and _layout_value(g[k]) != _layout_value(mine[k]):
+                    return gi, k, g[k], mine[k]
+        return None
 
     def _check_layout_keys(self) -> None:
-        """Refuse a change of a :attr:`_layout_keys` hyperparameter since the last step (or the load): the blocks,
+        """Refuse a change of a :attr:`layout_keys` hyperparameter since the last step (or the load): the blocks,
         the sharded layout and the optimizer state were made for the old value (before: a torch-internal shape
         error deep in the step, a KeyError, or the old value silently kept)."""
-        now = self._layout_values_now()
-        was = self.__dict__.get("_layout_values") or []
-        for gi, (a, b) in enumerate(zip(was, now)):
-            if a != b:
-                key, old, new = next((k, x, y) for k, x, y in zip(self._layout_keys, a, b) if x != y)
-                raise ValueError(
-                    f"{type(self).__name__}: param_groups[{gi}][{key!r}] changed from {old!r} to {new!r} after the "
-                    f"optimizer was built; {key} decides how the params are cut into blocks (the sharded layout and "
-                    f"the shape of the optimizer state follow it), so it is fixed for the optimizer's life. Set it "
-                    f"back, or build a new optimizer with {key}={new!r} (its state starts fresh)"
-                )
-        self._layout_values = was[: len(now)] + now[len(was) :]
+        diff = self.layout_difference(self.__dict__.get("_layout_groups") or [])
+        if diff is not None:
+            gi, key, old, new = diff
+            raise ValueError(
+                f"{type(self).__name__}: param_groups[{gi}][{key!r}] changed from {old!r} to {new!r} after the "
+                f"optimizer was built; {key} decides how the params are cut into blocks (the sharded layout and "
+                f"the shape of the optimizer state follow it), so it is fixed for the optimizer's life. Set it "
+                f"back, or build a new optimizer with {key}={new!r} (its state starts fresh)"
+            )
+        self.record_layout()  # (groups added since keep their values from here on)
 
     def _lock_block_layouts(self) -> None:
-        if self._layout_keys:
+        if self.layout_keys:
             self._check_layout_keys()
         if self.__dict__.pop("_blocks_stale", False):  # groups were added (add_param_group) since the declaration
             self.declare_param_blocks()

@@ -167,14 +167,13 @@ class RaggedOptimizer(BlockOptimizer):
                 self._validate_group(dict(g))  # a copy: nothing may change before every check has passed
             except (TypeError, ValueError) as e:
                 raise type(e)(f"{where}: saved param_groups[{gi}]: {e}") from e
-        for gi, (was, now) in enumerate(zip(self._layout_values_now(saved), self._layout_values_now())):
-            for key, a, b in zip(self._layout_keys, was, now):
-                if a != b:
-                    raise ValueError(
-                        f"{where}: saved param_groups[{gi}] has {key}={a!r}, this optimizer {b!r}; {key} decides "
-                        "how the params are cut into blocks and the shape of the state, so the state loads only "
-                        f"into an optimizer built with {key}={a!r}"
-                    )
+        if (diff := self.layout_difference(saved)) is not None:
+            gi, key, a, b = diff
+            raise ValueError(
+                f"{where}: saved param_groups[{gi}] has {key}={a!r}, this optimizer {b!r}; {key} decides how the "
+                f"params are cut into blocks and the shape of the state, so the state loads only into an optimizer "
+                f"built with {key}={a!r}"
+            )
         check_optimizer_state_dict(self, state_dict)
         for gi, (g, group) in enumerate(zip(saved, self.param_groups)):
             for i, (key, p) in enumerate(zip(g["params"], group["params"])):
@@ -226,7 +225,7 @@ class RaggedOptimizer(BlockOptimizer):
             self._load_checked_state_dict(_steps_on_cpu(local_pieces))
         finally:
             self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks = pre, post
-        self._layout_values = self._layout_values_now()  # (the load checked them)
+        self.record_layout()  # (the load checked them)
         for hook in list(post.values()):
             hook(self)
 

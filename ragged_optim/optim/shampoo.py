@@ -211,7 +211,7 @@ class Shampoo(BandPreconditionerChecks, RaggedOptimizer):
     tile width) and ``graft`` (the band's grafting accumulator). Params whose grad is None are skipped.
     """
 
-    _layout_keys = ("max_preconditioner_dim",)
+    layout_keys = ("max_preconditioner_dim",)
 
     def __init__(
         self,

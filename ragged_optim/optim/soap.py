@@ -236,7 +236,7 @@ class SOAP(BandPreconditionerChecks, RaggedOptimizer):
     local elements. Params whose grad is None are skipped.
     """
 
-    _layout_keys = ("max_preconditioner_dim",)
+    layout_keys = ("max_preconditioner_dim",)
 
     def __init__(
         self,
