@@ -9,31 +9,12 @@ import shutil
 import tempfile
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from ragged_optim.checkpoint import load_checkpoint, save_checkpoint
+from ragged_optim.checkpoint import _barrier, _broadcast_obj, load_checkpoint, save_checkpoint
 
 _CKPT_RE = re.compile(r"^step_(\d{8})$")
-
-
-def _dist_on() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _from_rank0(obj):
-    """Rank 0's ``obj`` on every rank (a collective when distributed)."""
-    if not _dist_on() or dist.get_world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _barrier() -> None:
-    if _dist_on():
-        dist.barrier()
 
 
 def latest_checkpoint(ckpt_dir: str) -> str | None:
@@ -73,7 +54,7 @@ class Checkpointer:
         if self.rank == 0:
             os.makedirs(self.dir, exist_ok=True)
             tmp = tempfile.mkdtemp(prefix=f".tmp-step_{step:08d}-", dir=self.dir)
-        tmp = _from_rank0(tmp)
+        tmp = _broadcast_obj(tmp)
         if self.kind == "ours":
             save_checkpoint(os.path.join(tmp, "state"), model, [opt])
         else:
