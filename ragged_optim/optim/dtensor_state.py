@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ragged_optim.optim.base import is_dtensor, local, process_group
+from ragged_optim.optim.blocks import local_range
 from ragged_optim.sharding import shard_info
 from ragged_optim.sharding.ragged_dtensor import ragged_dtensor
 from ragged_optim.sharding.state_dict import local_piece
@@ -84,11 +85,8 @@ def _layout(opt, p, key: str, group: dict):
 
 
 def _local_rows(full: torch.Tensor, p: DTensor) -> torch.Tensor:
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    sizes, offsets = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-    index = tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
-    return full[index]
+    lo, hi = local_range(p)  # the row chunk torch's Shard(0) gives this rank, as everywhere in this library
+    return full.reshape(-1)[lo:hi].view(local(p).shape)
 
 
 def _from_dcp(opt, p, group: dict, key: str, v: torch.Tensor) -> torch.Tensor:
