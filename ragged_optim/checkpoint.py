@@ -54,7 +54,13 @@ from torch.distributed.tensor import DTensor
 from ragged_optim.optim.blocks import BlockOptimizer
 from ragged_optim.sharding import shard_info
 from ragged_optim.sharding.ragged_dtensor import RaggedDTensor
-from ragged_optim.sharding.state_dict import _block_ranges, _ranges, optimizer_state_to_dcp, sharded_dtensor
+from ragged_optim.sharding.state_dict import (
+    _block_ranges,
+    _ranges,
+    optimizer_state_to_dcp,
+    per_element_state,
+    sharded_dtensor,
+)
 
 __all__ = [
     "COMPLETE_MARKER",
@@ -636,7 +642,7 @@ def _optim_request(path, opt, p, fqn: str, group: dict, stored: dict, request: d
         if info is not None and rest.endswith("_scales") and bs and size == (-(-info.numel // bs),):
             lo, hi = _block_ranges(_ranges(info), bs)[info.unit.rank]
             request[key] = sharded_dtensor(torch.empty(hi - lo, dtype=dtype, device=p.device), info, block_size=bs)
-        elif info is not None and size == tuple(info.shape) and len(size) >= 1:
+        elif info is not None and per_element_state(rest, size, info.shape):
             request[key] = sharded_dtensor(torch.empty(p.numel(), dtype=dtype, device=p.device), info)
         else:  # a step counter stays on the CPU, as the optimizers keep it (on a GPU: no sync per read)
             device = "cpu" if rest == "step" and size == () else p.device

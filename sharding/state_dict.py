@@ -29,6 +29,7 @@ __all__ = [
     "loading_strict",
     "optimizer_state_from_dcp",
     "optimizer_state_to_dcp",
+    "per_element_state",
     "register_state_dict_hooks",
     "sharded_dtensor",
 ]
@@ -201,6 +202,14 @@ def _params_of(opt) -> list[torch.Tensor]:
     return [p for g in opt.param_groups for p in g["params"]]
 
 
+def per_element_state(key: str, shape, full_shape) -> bool:
+    """Whether a full-shaped optimizer state entry ``key`` of ``shape`` holds one value per element of a ragged
+    param of ``full_shape`` (moments, momentum) rather than a scalar (the step counter). A 0-d param's (a learnable
+    temperature's) moments are 0-d like the counter: there every 0-d entry but ``step`` (torch's name) is one."""
+    shape, full_shape = tuple(shape), tuple(full_shape)
+    return shape == full_shape and (len(shape) >= 1 or key != "step")
+
+
 def _state_layout(p, key: str, value, group: dict, state: dict):
     """How a top-level optimizer state entry of ragged param ``p`` is laid out: "elem" (one value per local
     element), "block" (8-bit scales, one per local block of ``group['block_size']``) or None (kept as is)."""
@@ -258,14 +267,15 @@ def optimizer_state_from_dcp(opt: torch.optim.Optimizer, state_dict: Any) -> Any
             continue
         out = {}
         for k, v in st.items():
-            if isinstance(v, torch.Tensor) and v.dim() > 0:
+            sharded = isinstance(v, RaggedDTensor) or hasattr(v, "placements")  # a RaggedDTensor or torch DTensor
+            if isinstance(v, torch.Tensor) and (v.dim() > 0 or (info.shape == () and (sharded or k != "step"))):
                 if k.endswith("_scales") and "block_size" in group and f"{k[: -len('_scales')]}_codes" in st:
                     bs = group["block_size"]
                     ranges = _block_ranges(_ranges(info), bs)
                     nb = -(-info.numel // bs)
                     lo, hi = ranges[info.unit.rank]
                     v = local_piece(v, ranges, info.unit.rank, (nb,), (hi - lo,))
-                elif tuple(v.shape) == tuple(info.shape) or hasattr(v, "placements"):
+                elif sharded or per_element_state(k, v.shape, info.shape):
                     v = local_piece(v, _ranges(info), info.unit.rank, info.shape, p.shape)
                 elif k.endswith("_codes") and v.dim() == 1 and v.numel() == info.numel > p.numel():
                     # 8-bit codes a plain param's optimizer saved flat (before its state dict shaped them like it)

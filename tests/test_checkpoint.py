@@ -676,3 +676,64 @@ def test_checkpoint_faults_end_the_same_way_on_every_rank(tmp_path):
         assert "nowhere" in r["one_rank_missing"] and "(on rank 1)" in r["one_rank_missing"]
         assert "meta.pt" in r["no_meta"] and "plain torch DCP" not in r["no_meta"]
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # the refused saves left nothing
+
+
+class WithTemperature(nn.Module):
+    """A 0-d param (CLIP's ``logit_scale``, a learnable temperature) beside a matrix."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.temp = nn.Parameter(torch.tensor(1.5))
+        self.lin = nn.Linear(6, 5)
+
+
+def _scalar_opts(model):
+    return [
+        torch.optim.AdamW([model.temp], lr=0.01),
+        Muon([{"params": [model.lin.weight], "use_muon": True}, {"params": [model.lin.bias], "use_muon": False}],
+             lr=0.02, ns_dtype=torch.float32),
+        AdamW8bit([model.temp, model.lin.bias], lr=0.01, min_8bit_size=1 << 20),
+    ]  # fmt: skip
+
+
+def _scalar_grad(step, name, shape):
+    return default_grad(step, name, (1,)).reshape(()) if len(shape) == 0 else default_grad(step, name, shape)
+
+
+def _scalar_run(rank, world, path, phase):
+    model = WithTemperature()
+    if world > 1 or phase != "reference":
+        fully_shard(model)
+    opts = _scalar_opts(model)
+    if phase == "resume":
+        start = load_checkpoint(path, model, opts)["step"]
+    else:
+        start = 0
+    stop = 2 if phase == "save" else 4
+    for step in range(start, stop):
+        _set_grads(model, step, _scalar_grad)
+        for o in opts:
+            o.step()
+            o.zero_grad()
+        if phase == "save":  # an in-memory round trip on the way
+            for o in opts:
+                o.load_state_dict(o.state_dict())
+    if phase == "save":
+        save_checkpoint(path, model, opts, extra={"step": stop})
+        full = [get_full_optimizer_state_dict(model, o) for o in opts]  # a collective: every rank
+        return full if rank == 0 else None
+    return snapshot(model)  # a collective: every rank
+
+
+def test_zero_dim_param_state_survives_round_trips_and_reshards(tmp_path):
+    """A 0-d param's moments are 0-d like the step counter; they were left whole (a RaggedDTensor, or a full 0-d
+    tensor after a checkpoint load) where this rank's piece has shape (1,) or (0,), and the next step raised
+    ("aten.lerp_.Scalar on a ragged-sharded state-dict tensor", "output with shape [] doesn't match the
+    broadcast shape [0]"). One process never stops: the reference."""
+    want = run_on_ranks(_scalar_run, 1, None, "reference")[0]
+    path = str(tmp_path / "ckpt")
+    full = run_on_ranks(_scalar_run, 2, path, "save")[0]
+    assert full[0]["state"][0]["exp_avg"].shape == ()  # the consolidated export: the param's own (full) shape
+    got = run_on_ranks(_scalar_run, 3, path, "resume")[0]
+    assert_matches(got, want)
