@@ -347,3 +347,20 @@ def test_out_dtype_holds_whatever_the_blocks_are():
             lambda bs: [b.value.to(torch.bfloat16) for b in bs], [p], [torch.ones(4, 4)], out_dtype=torch.float64
         )
         assert out[0].dtype == torch.float64, rows
+
+
+def test_default_out_dtype_is_the_first_inputs_whatever_the_blocks_are():
+    """Without ``out_dtype`` the results come in the first input's dtype (the docs' "cast to the output's dtype").
+    Before, a param whose one block was its whole local tensor got ``fn``'s float64 result back as is, one cut into
+    several blocks a float32 tensor: which one depended on the layout, so ``p.add_(u)`` rounded differently sharded
+    and on one process."""
+    for rows in (4, 2):
+        p = torch.zeros(4, 4, requires_grad=True)
+
+        class Opt(_Rows2):
+            def block_spec(self, p, group, rows=rows):
+                return ro.BlockSpec.rows(rows, ro.full_shape(p))
+
+        out = Opt([p]).map_blocks(lambda bs: [b.value.double() * 2 for b in bs], [p], [torch.ones(4, 4)])
+        assert out[0].dtype == torch.float32, rows
+        assert torch.equal(out[0], torch.full((4, 4), 2.0))

@@ -522,9 +522,9 @@ class BlockOptimizer(torch.optim.Optimizer):
 
 class _Outputs:
     """The per-param results of :meth:`BlockOptimizer.map_blocks`. Given ``out`` tensors are written into. Otherwise
-    a param whose one block is its whole local tensor returns ``fn``'s result itself (no copy: a plain or owner-held
-    matrix), and the others get a zero tensor in ``out_dtype`` or the first input's dtype (elements of a block
-    nobody computes, a spec the layout was not planned for, stay 0)."""
+    a param whose one block is its whole local tensor returns ``fn``'s result itself when it has the output dtype
+    (no copy: a plain or owner-held matrix), and the others get a zero tensor in ``out_dtype`` or the first input's
+    dtype (elements of a block nobody computes, a spec the layout was not planned for, stay 0)."""
 
     def __init__(self, params, flats, out, out_dtype=None) -> None:
         self.params, self.flats, self.given, self.out_dtype = params, flats, out is not None, out_dtype
@@ -540,7 +540,7 @@ class _Outputs:
         n = r.numel()
         if self.flat[k] is None:
             whole = offset == 0 and n == self.flats[k][0].numel()
-            as_asked = self.out_dtype is None or r.dtype == self.out_dtype
+            as_asked = r.dtype == self.dtype(k)  # else cast, as a param of several blocks is: whatever the layout
             if whole and as_asked and not any(_shares_storage(r, f) for f in self.flats[k]):
                 self.out[k] = r.reshape(local(self.params[k]).shape)
                 self.flat[k] = self.out[k].reshape(-1)
