@@ -62,7 +62,7 @@ def matrix_shapes(max_dim: int = 48, stacks: bool = True):
 def default_grad(step: int, name: str, shape: torch.Size) -> torch.Tensor:
     """A deterministic full gradient for (step, param name), the same in every process."""
     g = torch.Generator().manual_seed(zlib.crc32(f"{name}:{step}".encode()))
-    return torch.randn(*shape, generator=g)
+    return torch.randn(tuple(shape), generator=g)  # (a tuple: a 0-d param's shape is ())
 
 
 class ShardedMismatch(AssertionError):

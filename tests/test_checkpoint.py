@@ -697,10 +697,6 @@ def _scalar_opts(model):
     ]  # fmt: skip
 
 
-def _scalar_grad(step, name, shape):
-    return default_grad(step, name, (1,)).reshape(()) if len(shape) == 0 else default_grad(step, name, shape)
-
-
 def _scalar_run(rank, world, path, phase):
     model = WithTemperature()
     if world > 1 or phase != "reference":
@@ -712,7 +708,7 @@ def _scalar_run(rank, world, path, phase):
         start = 0
     stop = 2 if phase == "save" else 4
     for step in range(start, stop):
-        _set_grads(model, step, _scalar_grad)
+        _set_grads(model, step, default_grad)
         for o in opts:
             o.step()
             o.zero_grad()

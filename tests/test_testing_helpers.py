@@ -158,3 +158,17 @@ def test_world_sizes_refuses_bounds_that_are_no_world_size(bounds):
     """Before: (0, 3) and (-1, 2) drew 0 and negative world sizes; (5, 2) failed inside hypothesis."""
     with pytest.raises(ValueError, match="1 <= min_size <= max_size"):
         world_sizes(*bounds)
+
+
+class WithScalar(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.temp = nn.Parameter(torch.tensor(0.7))  # a learnable temperature: 0-d
+        self.lin = nn.Linear(5, 3)
+
+
+def test_default_grads_cover_a_zero_dim_param():
+    """Before, ``default_grad`` called ``torch.randn(*())`` for a 0-d param and raised ``TypeError: randn() missing 1
+    required positional arguments: "size"`` before any optimizer ran."""
+    assert_sharded_matches_single(WithScalar, lambda m: torch.optim.AdamW(m.parameters(), lr=0.1), world_size=2)
