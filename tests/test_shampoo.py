@@ -362,3 +362,50 @@ def test_step_holds_no_update_beyond_its_bands_own_math():
     _, step = peak_bytes(opt.step)
     matrix = n * n * 4
     assert step <= band_alone + matrix // 8, (step / matrix, band_alone / matrix)
+
+
+def _run_shampoo(steps=4, change=None, **kw):
+    torch.manual_seed(0)
+    w, b = torch.nn.Parameter(torch.randn(6, 4)), torch.nn.Parameter(torch.randn(5))
+    opt = Shampoo([w, b], lr=0.1, **kw)
+    if change:
+        opt.param_groups[0].update(change)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        w.grad, b.grad = torch.randn(6, 4, generator=g), torch.randn(5, generator=g)
+        opt.step()
+    return w.detach(), b.detach()
+
+
+@pytest.mark.parametrize("grafting", ["adam", "rmsprop"])
+def test_grafting_beta2_one_sums_as_adagrad(grafting):
+    """``grafting_beta2=1.0`` is accepted (the range is (0, 1]); the EMA of weight ``1 - beta2 = 0`` left the
+    accumulator at 0, so adam's update was NaN (a zero bias correction) and rmsprop's 1e8. It now sums, as the
+    factor matrices do for ``betas[1] = 1`` and as adagrad grafting does."""
+    got = _run_shampoo(grafting=grafting, grafting_beta2=1.0)
+    want = _run_shampoo(grafting="adagrad")
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("grafting", ["adam", None])
+def test_precondition_frequency_changed_after_construction(grafting):
+    """Raising ``precondition_frequency`` between steps: the default start step followed it only at construction,
+    so steps before the first root recompute were preconditioned by the all-zero initial roots and the params
+    did not move. Now the step behaves as an optimizer built with the new frequency."""
+    got = _run_shampoo(change={"precondition_frequency": 3}, grafting=grafting)
+    want = _run_shampoo(precondition_frequency=3, grafting=grafting)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_start_step_below_a_changed_frequency_is_refused_at_step():
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(6, 4))
+    opt = Shampoo([w], lr=0.1, precondition_frequency=2, start_preconditioning_step=2)
+    opt.param_groups[0]["precondition_frequency"] = 5
+    w.grad = torch.randn(6, 4)
+    before = w.detach().clone()
+    with pytest.raises(ValueError, match=r"Shampoo.step\(\): param_groups\[0\]: start_preconditioning_step must be"):
+        opt.step()
+    assert torch.equal(w.detach(), before) and not opt.state[w]

@@ -96,12 +96,21 @@ def _graft_direction(g: Tensor, state: dict, t: int, hp: dict) -> Tensor:
     if method == "adagrad":
         acc.addcmul_(g, g)
         denom = acc.sqrt()
-    else:  # rmsprop, adam
-        acc.mul_(b2).addcmul_(g, g, value=1 - b2)
+    else:  # rmsprop, adam; beta2 = 1 sums, as the factor matrices do (an EMA of weight 0 never moved from 0)
+        if b2 != 1.0:
+            acc.mul_(b2)
+        acc.addcmul_(g, g, value=_factor_weight(b2))
         denom = acc.sqrt()
-        if method == "adam":
+        if method == "adam" and b2 != 1.0:
             denom = denom / math.sqrt(1 - b2**t)
     return g / denom.add_(eps)
+
+
+def start_step(hp: dict) -> int:
+    """The first preconditioned step: ``start_preconditioning_step``, or (None) the group's current
+    ``precondition_frequency``, the first step whose roots exist."""
+    s = hp["start_preconditioning_step"]
+    return hp["precondition_frequency"] if s is None else s
 
 
 def _exponent(hp: dict, order: int) -> float:
@@ -126,7 +135,7 @@ def _band_update(g: Tensor, st: dict, t: int, hp: dict, label: str) -> Tensor:
     weight = _factor_weight(beta2)
     alpha = _exponent(hp, 2)
     direction = _graft_direction(g, st, t, hp)
-    precondition = t >= hp["start_preconditioning_step"]
+    precondition = t >= start_step(hp)
     recompute = t % hp["precondition_frequency"] == 0
     out = torch.empty_like(g) if precondition else direction
     for gi, (c0, n, w) in enumerate(_tile_groups(cols, B)):
@@ -167,7 +176,7 @@ def _vector_update(g: Tensor, state: dict, t: int, hp: dict) -> Tensor:
     if beta2 != 1.0:
         diag.mul_(beta2)
     diag.addcmul_(g, g, value=_factor_weight(beta2))
-    if t < hp["start_preconditioning_step"]:
+    if t < start_step(hp):
         return g
     return g * (diag + hp["epsilon"]).pow(-_exponent(hp, 1))
 
@@ -192,13 +201,14 @@ class Shampoo(BandPreconditionerChecks, RaggedOptimizer):
         precondition_frequency: the inverse roots are recomputed at steps that are multiples of it (factor
             matrices are updated every step).
         start_preconditioning_step: first step whose update is preconditioned; before it the grafted method's
-            update is used alone. ``None`` means ``precondition_frequency``; it must be >= that (so the roots
-            exist when first used).
+            update is used alone. ``None`` means ``precondition_frequency`` (as it is at each step); it must be >=
+            that (so the roots exist when first used), at construction and at every step.
         grafting: ``"adam"``, ``"adagrad"``, ``"rmsprop"``, ``"sgd"`` or ``None``. Each tile's preconditioned
             update is rescaled to the Frobenius norm of this elementwise method's update for the tile (the
             layer-wise learning-rate schedule of the grafted method, the direction of Shampoo). ``None``: no
             rescaling (and plain gradient steps before ``start_preconditioning_step``).
-        grafting_beta2: EMA factor of the rmsprop/adam second moment (adagrad sums).
+        grafting_beta2: EMA factor of the rmsprop/adam second moment (adagrad sums; so does 1.0, with no bias
+            correction).
         grafting_epsilon: added to the square root of the grafted second moment.
         root_inverse: ``"eigh"`` (eigendecomposition in float32, float64 retry on failure) or ``"newton"`` (the
             coupled Newton iteration in float32; needs the exponent to be 1/p for an integer p).
@@ -262,10 +272,8 @@ class Shampoo(BandPreconditionerChecks, RaggedOptimizer):
             raise ValueError(f"weight_decay must be >= 0, got {g['weight_decay']}")
         check_int("max_preconditioner_dim", g["max_preconditioner_dim"], 1)
         f = check_int("precondition_frequency", g["precondition_frequency"], 1)
-        if g["start_preconditioning_step"] is None:
-            g["start_preconditioning_step"] = f
-        s = g["start_preconditioning_step"]
-        if not isinstance(s, int) or isinstance(s, bool) or s < f:  # (True is an int)
+        s = g["start_preconditioning_step"]  # None: the frequency, read at each step (it may be changed later)
+        if s is not None and (not isinstance(s, int) or isinstance(s, bool) or s < f):  # (True is an int)
             raise ValueError(
                 f"start_preconditioning_step must be an int >= precondition_frequency ({f}) so that the roots "
                 f"exist when first used, got {s!r}"
@@ -361,6 +369,11 @@ class Shampoo(BandPreconditionerChecks, RaggedOptimizer):
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
         """One optimizer step; ``closure`` (optional) re-evaluates the model and returns the loss."""
+        for gi, group in enumerate(self.param_groups):  # hyperparameters changed since construction, checked again
+            try:
+                self._validate_group(group)
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"Shampoo.step(): param_groups[{gi}]: {e}; nothing was updated") from e
         loss, skip = self._begin_step(closure)
         if skip:
             return loss
