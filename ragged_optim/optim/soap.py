@@ -102,7 +102,7 @@ def eigenbasis(factor: Tensor) -> Tensor | None:
         except torch.linalg.LinAlgError:
             continue
         if torch.isfinite(q).all():
-            return q.flip(-1).to(factor.dtype)
+            return q.flip(-1).to(factor.dtype).contiguous()  # (eigh's columns are strided: see refresh_basis)
     return None
 
 
@@ -113,7 +113,8 @@ def refresh_basis(factor: Tensor, q: Tensor, exp_avg_sq: Tensor, dim: int) -> tu
     estimate = torch.diagonal(q.mT @ factor @ q)
     order = torch.argsort(estimate, descending=True, stable=True)
     q_new, _ = torch.linalg.qr(factor @ q[:, order])
-    return q_new, exp_avg_sq.index_select(dim, order)
+    # row-major, as a checkpoint loads it: a matmul's bits may depend on its operands' strides (qr's are not)
+    return q_new.contiguous(), exp_avg_sq.index_select(dim, order)
 
 
 def new_band_state(g: Tensor, B: int, shampoo_beta: float) -> dict[str, Tensor]:
