@@ -301,3 +301,41 @@ def test_an_optimizer_built_after_backward_keeps_the_grads():
     assert max_abs_gap(want, initial) > 100 * bound  # the step moves the params far beyond the noise
     for got in run_on_ranks(_built_after_backward, 2, True):
         assert max_abs_gap(dict(enumerate(got)), want) <= bound
+
+
+def _refused_group_run(rank, world_size, cls, add):
+    from ragged_optim import full_tensor, fully_shard
+
+    m = _two_linears()
+    fully_shard(m)  # one unit: a's and b's layout is fixed by the first step
+    opt = GROWN[cls](m)
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(1)).chunk(world_size)[rank]
+    refused = None
+    for step in range(4):
+        m.zero_grad()
+        m(x).square().sum().backward()
+        if step == 2:  # the refused step changes nothing: the reference skips it
+            if add:
+                opt.add_param_group({"params": [m.b.weight], **({"block_size": 16} if cls is AdamW8bit else {})})
+                try:
+                    opt.step()
+                except RuntimeError as e:
+                    refused = str(e)
+            continue
+        opt.step()
+    return refused, [full_tensor(p).detach().clone() for p in (m.a.weight, m.b.weight)], len(opt.param_groups)
+
+
+@pytest.mark.parametrize("cls", [Muon, Shampoo, SOAP])
+def test_a_group_refused_at_step_is_taken_back_out(cls):
+    """A group added after the first step whose blocks need another layout of a unit in use is refused at the next
+    step. Before, the group stayed in, and every later step raised a bare ``KeyError: 1396...`` from the block
+    exchange (after advancing some step counters). Now the refused group is removed: later steps run as if it had
+    never been added."""
+    from ragged_optim.testing import run_on_ranks
+
+    refused, got, n_groups = run_on_ranks(_refused_group_run, 3, cls, True)[0]
+    _, want, want_groups = run_on_ranks(_refused_group_run, 3, cls, False)[0]
+    assert refused and "already in use by an optimizer's state" in refused and "were removed" in refused
+    assert n_groups == want_groups
+    assert all(torch.equal(a, b) for a, b in zip(got, want))

@@ -299,6 +299,7 @@ class BlockOptimizer(torch.optim.Optimizer):
         )
         self.__dict__.pop("_block_routing", None)
         self.__dict__.pop("_block_specs", None)
+        self._declared_groups = len(self.param_groups)
         self.record_layout()
 
     def record_layout(self) -> None:
@@ -333,7 +334,14 @@ class BlockOptimizer(torch.optim.Optimizer):
         if self.layout_keys:
             self._check_layout_keys()
         if self.__dict__.pop("_blocks_stale", False):  # groups were added (add_param_group) since the declaration
-            self.declare_param_blocks()
+            try:
+                self.declare_param_blocks()
+            except (RuntimeError, ValueError) as e:  # refused on every rank alike: take the new groups back out
+                del self.param_groups[self.__dict__.get("_declared_groups", len(self.param_groups)) :]
+                raise type(e)(
+                    f"{e}. The param groups added since the last step were removed: {type(self).__name__} is as "
+                    "it was before add_param_group, and its next step runs without them"
+                ) from e
             self._layouts_locked = False  # (the new params' units too)
         if not self.__dict__.get("_layouts_locked"):
             lock_layouts(p for g in self.param_groups for p in g["params"])
