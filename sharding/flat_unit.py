@@ -490,7 +490,10 @@ class FlatUnit:
         landing = sorted(self.accumulating | {i for i, rg in enumerate(self.requires_grad) if rg})
         self.accumulating.clear()
         self.pending_reduce = (work, out, op, post, event, landing)
-        self.reduce_input = full  # alive until the reduce-scatter is done
+        # Alive until the reduce-scatter is done where a side stream reads it (the compute stream's allocator must not
+        # reuse it). Without streams the work holds what it reads, and gloo holds a copy of its own: keeping ours
+        # too held the unit's grads twice through the next unit's backward.
+        self.reduce_input = full if s.enabled else None
         return True
 
     def _all_reduce_replicas_on_stream(self, out: torch.Tensor, op):

@@ -299,11 +299,13 @@ class ModuleState:
         self.training_state = TrainingState.POST_BACKWARD
         defer = self.post_forward_indices and not last
         for u in self.units:
+            # free the unsharded params first (FSDP2's order): the unit's backward is done reading them, and the
+            # reduce-scatter's output (and a backend's copy of its input) are allocated next
+            u.reshard()
             if not defer and u.holds_unreduced_grads and u.requires_grad_sync:
                 self.ctx.make_room_for_reduce()
             if not defer and u.post_backward_grads():
                 self.ctx.track_reduce(u)
-            u.reshard()
 
 
 class _PostBackward(torch.autograd.Function):

@@ -386,3 +386,42 @@ def test_one_rank_calls_no_collectives_as_fsdp2():
     at world size 1."""
     assert run_on_ranks(_one_rank_step_collectives, 1, "fsdp2") == [0]  # the control
     assert run_on_ranks(_one_rank_step_collectives, 1, "ours") == [0]
+
+
+def _buffers_at_reduce(rank, world_size):
+    """For each reduce-scatter issued: bytes of the issuing unit's unsharded buffer still allocated, and whether the
+    flat grads of the reduce issued before it are still held by the runtime (a weak reference that is alive)."""
+    import gc
+    import weakref
+
+    from ragged_optim.sharding import flat_unit as fu
+
+    model = shard(make_model(n_blocks=3), fully_shard)
+    seen, prev = [], []
+    to_reduce = fu.FlatUnit._grads_to_reduce
+
+    def grads_to_reduce(self):  # right before the reduce-scatter is issued
+        gc.collect()
+        seen.append((self.unsharded.untyped_storage().nbytes(), bool(prev) and prev[-1]() is not None))
+        full = to_reduce(self)
+        prev.append(weakref.ref(full))
+        return full
+
+    fu.FlatUnit._grads_to_reduce = grads_to_reduce
+    try:
+        x, y = batch(0)
+        loss_fn(model, local_rows(x, rank, world_size), local_rows(y, rank, world_size)).backward()
+    finally:
+        fu.FlatUnit._grads_to_reduce = to_reduce
+    return seen
+
+
+def test_a_units_buffers_are_freed_before_its_reduce_scatter():
+    """FSDP2's order: a unit's unsharded params are freed before its reduce-scatter allocates the output (before,
+    after it: the peak of the backward held both). On CPU gloo copies a reduce-scatter's input when it is issued,
+    so the runtime drops its own reference (before, the previous unit's grads were held twice, ours and gloo's,
+    through the next unit's backward: W*S bytes)."""
+    seen = run_on_ranks(_buffers_at_reduce, 2)[0]
+    assert len(seen) == 4
+    assert all(nbytes == 0 for nbytes, _ in seen), seen
+    assert not any(held for _, held in seen), seen
