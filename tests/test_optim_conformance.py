@@ -339,3 +339,72 @@ def test_a_group_refused_at_step_is_taken_back_out(cls):
     assert refused and "already in use by an optimizer's state" in refused and "were removed" in refused
     assert n_groups == want_groups
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+BF16_OPTS = {
+    Shampoo: lambda ps: Shampoo(ps, lr=0.01, max_preconditioner_dim=16, epsilon=1e-6),
+    SOAP: lambda ps: SOAP(ps, lr=0.01, max_preconditioner_dim=16),
+    Muon: lambda ps: Muon(ps, lr=0.02),
+}
+
+
+def _state_dtypes(state) -> set:
+    if isinstance(state, torch.Tensor):
+        return {state.dtype}
+    if isinstance(state, dict):
+        return set().union(*(_state_dtypes(v) for v in state.values()))
+    if isinstance(state, list | tuple):
+        return set().union(*(_state_dtypes(v) for v in state))
+    return set()
+
+
+def _bf16_run(rank, world_size, cls, path, resume):
+    from ragged_optim import full_tensor, fully_shard, load_checkpoint, save_checkpoint
+
+    torch.manual_seed(0)
+    lin = nn.Linear(24, 40).to(torch.bfloat16)
+    if world_size > 1:
+        fully_shard(lin)
+    opt = BF16_OPTS[cls]([lin.weight])
+    gen = torch.Generator().manual_seed(3)
+    grads = [torch.randn(40, 24, generator=gen).to(torch.bfloat16) for _ in range(4)]
+    from ragged_optim.testing import set_full_grad
+
+    for step, g in enumerate(grads):
+        if resume and step == 2:
+            save_checkpoint(path, lin, [opt])
+            torch.manual_seed(1)
+            lin2 = nn.Linear(24, 40).to(torch.bfloat16)
+            if world_size > 1:
+                fully_shard(lin2)
+            opt2 = BF16_OPTS[cls]([lin2.weight])
+            load_checkpoint(path, lin2, [opt2])
+            dtypes = _state_dtypes(opt.state[lin.weight]) == _state_dtypes(opt2.state[lin2.weight])
+            lin, opt = lin2, opt2
+        set_full_grad(lin.weight, g)
+        opt.step()
+        opt.zero_grad()
+    return full_tensor(lin.weight).detach().clone(), dtypes if resume else True
+
+
+@pytest.mark.parametrize("cls", [Shampoo, SOAP, Muon])
+def test_bf16_params_state_keeps_its_dtype_through_a_load(cls, tmp_path):
+    """torch's loader casts every floating state tensor, nested ones too, to the param's dtype: a bf16 param's
+    float32 Shampoo/SOAP statistics came back as bf16 from ``opt.load_state_dict`` (so from every checkpoint load),
+    and the next step raised ``Input dtypes must be the same, got: input c10::BFloat16, batch1: float``. The
+    resumed run must be the run that never stopped (one process and two ranks)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(24, 40).to(torch.bfloat16)
+    opt = BF16_OPTS[cls]([lin.weight])
+    for _ in range(2):
+        lin.weight.grad = torch.randn_like(lin.weight)
+        opt.step()
+    before = _state_dtypes(opt.state[lin.weight])
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    assert _state_dtypes(opt.state[lin.weight]) == before
+    from ragged_optim.testing import run_on_ranks
+
+    for world in (1, 2):
+        want = run_on_ranks(_bf16_run, world, cls, str(tmp_path / f"w{world}"), False)[0][0]
+        got, dtypes = run_on_ranks(_bf16_run, world, cls, str(tmp_path / f"w{world}"), True)[0]
+        assert dtypes and torch.equal(got, want), world

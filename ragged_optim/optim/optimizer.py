@@ -229,10 +229,39 @@ class RaggedOptimizer(BlockOptimizer):
         for hook in list(post.values()):
             hook(self)
 
+    def _state_dtype(self, p: torch.Tensor) -> torch.dtype | None:
+        """The dtype this optimizer keeps the floating state of ``p`` in, where that is not ``p``'s own (Shampoo's and
+        SOAP's statistics are float32 for bf16 params); None: ``p``'s dtype, as torch's loader assumes."""
+        return None
+
     def _load_checked_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Check ``state_dict`` (its hooks run, its state as local pieces), then load it with torch's loader."""
+        """Check ``state_dict`` (its hooks run, its state as local pieces), then load it with torch's loader. torch
+        casts every floating state tensor (nested ones too) to its param's dtype: the state of params whose
+        :meth:`_state_dtype` differs is loaded here instead (before, a bf16 param's float32 preconditioners came
+        back as bf16, rounded, and the next step raised on mixed dtypes)."""
         self._check_state_dict(state_dict)
-        torch.optim.Optimizer.load_state_dict(self, state_dict)
+        params = [p for g in self.param_groups for p in g["params"]]
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        kept, state = [], dict(state_dict["state"])
+        for k, p in zip(ids, params):
+            dtype = self._state_dtype(p)
+            if dtype is not None and dtype != local(p).dtype and isinstance(state.get(k), dict):
+                kept.append((p, dtype, {kk: v for kk, v in state[k].items() if kk != "step"}))
+                state[k] = {kk: v for kk, v in state[k].items() if kk == "step"}
+        torch.optim.Optimizer.load_state_dict(self, {**state_dict, "state": state})
+        for p, dtype, entries in kept:
+            self.state[p].update(_moved(entries, local(p).device, dtype))
+
+
+def _moved(v, device: torch.device, dtype: torch.dtype):
+    """``v`` (a tensor, or dicts / lists / tuples of them) copied to ``device``, floating tensors in ``dtype``."""
+    if isinstance(v, torch.Tensor):
+        return v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype, copy=True)
+    if isinstance(v, dict):
+        return {k: _moved(x, device, dtype) for k, x in v.items()}
+    if isinstance(v, list | tuple):
+        return type(v)(_moved(x, device, dtype) for x in v)
+    return v
 
 
 def _steps_on_cpu(state_dict: dict[str, Any]) -> dict[str, Any]:

@@ -300,6 +300,9 @@ class Shampoo(BandPreconditionerChecks, RaggedOptimizer):
     def _state_keys(self, group: dict[str, Any], p: Tensor) -> tuple[str, ...]:
         return ("step",)  # momentum, bands and grafting state are created when missing
 
+    def _state_dtype(self, p: Tensor) -> torch.dtype:
+        return torch.float32  # statistics, roots, momentum and grafting state, whatever the param's dtype
+
     # ------------------------------------------------------------------ band bookkeeping
 
     @staticmethod

@@ -295,6 +295,9 @@ class SOAP(BandPreconditionerChecks, RaggedOptimizer):
     def _state_keys(self, group: dict[str, Any], p: Tensor) -> tuple[str, ...]:
         return ("step",)
 
+    def _state_dtype(self, p: Tensor) -> torch.dtype:
+        return compute_dtype(local(p).dtype)  # statistics, bases and moments: float32 (float64 for float64 params)
+
     def _check_state_dict(self, state_dict: Any) -> None:
         """Also: every saved band has the tensors and shapes of this param's band under the saved
         ``max_preconditioner_dim`` (a band of another layout would fail deep inside ``step``, or silently mix)."""
