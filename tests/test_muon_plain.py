@@ -529,3 +529,42 @@ def test_foreach_option_same_bits_and_checked():
     assert all(torch.equal(a, b) for run in runs[1:] for a, b in zip(runs[0], run))
     with pytest.raises(ValueError, match="foreach must be None, True or False, got 'yes'"):
         Muon(make_params(shapes), foreach="yes")
+
+
+class _Parametrized(nn.Module):
+    def __init__(self):
+        super().__init__()
+        from torch.nn.utils import parametrizations
+
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(40, 8)
+        self.hidden = parametrizations.weight_norm(nn.Linear(8, 8))
+        self.to_vocab = nn.Linear(8, 40)
+        nn.utils.parametrize.register_parametrization(self.emb, "weight", _Scaled())
+
+
+class _Scaled(nn.Module):
+    def forward(self, w):
+        return 2 * w
+
+
+def _groups_of_parametrized(rank, world_size):
+    from ragged_optim import fully_shard
+
+    model = _Parametrized()
+    fully_shard(model)
+    return [sorted(_names(model, g["params"])) for g in muon_param_groups(model)]
+
+
+def test_muon_param_groups_reads_no_parametrized_weight():
+    """``module.weight`` of a parametrized module runs its parametrization; on a sharded model that is garbage on
+    1-D pieces, and weight_norm's kernel read past its buffers: ``free(): corrupted unsorted chunks``, the ranks
+    died. The groups come from the params themselves: a weight-normed hidden Linear's g and v by shape, a
+    parametrized embedding's original with AdamW, the same with and without sharding."""
+    from ragged_optim.testing import run_on_ranks
+
+    plain = _Parametrized()
+    want = [sorted(_names(plain, g["params"])) for g in muon_param_groups(plain)]
+    assert want[0] == [f"hidden.parametrizations.weight.original{i}" for i in (0, 1)]  # g is (8, 1): 2-D
+    assert "emb.parametrizations.weight.original" in want[1]
+    assert run_on_ranks(_groups_of_parametrized, 2) == [want, want]

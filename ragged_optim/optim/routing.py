@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 
 from ragged_optim.optim.base import full_shape  # sharded params are 1-D views: route by full shape
 from ragged_optim.optim.muon import ADAMW_GROUP_KEYS, MUON_GROUP_KEYS
@@ -59,6 +60,16 @@ def _module_ids(model: nn.Module, exclude: Iterable[str | Tensor | nn.Module]) -
     return ids
 
 
+def _weight_ids(module: nn.Module) -> set[int]:
+    """ids of the params that make ``module.weight``: the param itself, or a parametrized weight's originals
+    (``weight_norm``'s g and v). Never ``module.weight`` on a parametrized module: that runs the parametrization,
+    which on sharded 1-D pieces computes garbage or (``torch._weight_norm``) reads past the end of its buffers."""
+    if parametrize.is_parametrized(module, "weight"):
+        return {id(p) for p in module.parametrizations["weight"].parameters()}
+    w = module._parameters.get("weight")
+    return {id(w)} if w is not None else set()
+
+
 def muon_param_groups(
     model: nn.Module,
     *,
@@ -84,6 +95,9 @@ def muon_param_groups(
     4. it is in ``exclude``: param names, module names (all of that module's params), tensors or modules; a
        single name, tensor or module may be given alone (``exclude="lm_head"``).
 
+    A parametrized weight (``torch.nn.utils.parametrize``, ``weight_norm``) is its originals, each routed by its own
+    shape (all to AdamW for an embedding or the head).
+
     Every param appears once, in ``model.named_parameters()`` order (tied weights are deduplicated). Frozen
     params (``requires_grad=False``) are included, as ``model.parameters()`` would.
 
@@ -104,16 +118,16 @@ def muon_param_groups(
     linears: list[tuple[str, nn.Linear]] = []
     for name, module in model.named_modules():
         if isinstance(module, nn.Embedding | nn.EmbeddingBag):
-            embedding_weights.add(id(module.weight))
+            embedding_weights |= _weight_ids(module)
             vocab_sizes.add(module.num_embeddings)
         elif isinstance(module, nn.Linear):
             linears.append((name, module))
     head_weights: set[int] = set()
     for name, lin in linears:
-        if id(lin.weight) in embedding_weights or name.rsplit(".", 1)[-1] in HEAD_NAMES:
-            head_weights.add(id(lin.weight))
+        if _weight_ids(lin) & embedding_weights or name.rsplit(".", 1)[-1] in HEAD_NAMES:
+            head_weights |= _weight_ids(lin)
     if linears and linears[-1][1].out_features in vocab_sizes:
-        head_weights.add(id(linears[-1][1].weight))
+        head_weights |= _weight_ids(linears[-1][1])
 
     muon: list[Tensor] = []
     adamw: list[Tensor] = []
