@@ -30,6 +30,7 @@ from ragged_optim.sharding import (
     get_full_state_dict,
     init_weights,
     load_full_state_dict,
+    register_fsdp_forward_method,
     shard_info,
 )
 
@@ -62,5 +63,6 @@ __all__ = [
     "init_weights",
     "load_full_state_dict",
     "muon_param_groups",
+    "register_fsdp_forward_method",
     "shard_info",
 ]

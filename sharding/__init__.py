@@ -1,7 +1,7 @@
 """Sharding layer: block specs, the planner, flat buffers, fully_shard, state dicts."""
 
 from ragged_optim.sharding.comm_policy import CommPolicy, QuantizedAllGather
-from ragged_optim.sharding.fully_shard import RaggedFSDPModule, fully_shard, units_of
+from ragged_optim.sharding.fully_shard import RaggedFSDPModule, fully_shard, register_fsdp_forward_method, units_of
 from ragged_optim.sharding.grad_norm import clip_grad_norm_, total_grad_norm
 from ragged_optim.sharding.layout import BlockSpec, Layout, OwnedBlock
 from ragged_optim.sharding.materialize import init_weights
@@ -27,6 +27,7 @@ __all__ = [
     "is_ragged_sharded",
     "load_full_state_dict",
     "plan_unit",
+    "register_fsdp_forward_method",
     "shard_info",
     "total_grad_norm",
     "units_of",

@@ -7,6 +7,7 @@ frozen ones get no gradient buffer and no reduce-scatter). The hooks and the ite
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -414,6 +415,33 @@ def _move_buffers(module: nn.Module, device: torch.device) -> None:
         for name, buf in mod._buffers.items():
             if buf is not None and buf.device != device and buf.device.type != "meta":
                 mod._buffers[name] = buf.to(device)
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make ``module.<method_name>()`` gather and reshard this module's params around its call as ``forward()`` does
+    (FSDP2's function of this name; ``torch.distributed.fsdp.register_fsdp_forward_method`` does nothing to our
+    modules). For methods other than forward that use the module's own params, e.g. an ``encode()`` that reads
+    the root's embedding: without it they see the sharded 1-D pieces."""
+    if state_of(module) is None:
+        raise ValueError(
+            f"register_fsdp_forward_method: {type(module).__name__} is not a ragged_optim.fully_shard module; call "
+            "ragged_optim.fully_shard(module) first"
+        )
+    method = getattr(module, method_name, None)
+    if not callable(method):
+        raise AttributeError(f"register_fsdp_forward_method: {type(module).__name__} has no method {method_name!r}")
+
+    @functools.wraps(method)
+    def gathered(*args, **kwargs):
+        args, kwargs = _pre_forward_hook(module, args, kwargs)
+        try:
+            output = method(*args, **kwargs)
+        except BaseException:
+            _post_forward_hook(module, args, None)  # what forward's always_call hook does when forward raises
+            raise
+        return _post_forward_hook(module, args, output)
+
+    setattr(module, method_name, gathered)
 
 
 @torch._disable_dynamo

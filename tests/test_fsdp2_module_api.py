@@ -182,3 +182,87 @@ def test_deepcopy_of_a_sharded_module_is_refused_clearly(ranks):
         assert r["fsdp2", "deepcopy"] is not None
         assert r["ours", "deepcopy"].startswith("TypeError: copy.deepcopy of a ragged_optim.fully_shard")
         assert "get_full_state_dict" in r["ours", "deepcopy"]
+
+
+class _Encoder(nn.Module):
+    """``encode()`` reads the root's own embedding: not a forward, so no forward hook gathers it."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(10, 8)
+        self.blk = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 4)
+
+    def encode(self, x):
+        return self.blk(self.emb(x)).mean(1)
+
+    def forward(self, x):
+        return self.out(self.encode(x))
+
+
+def _encode_run(rank, world_size, kind):
+    from torch.distributed.fsdp import register_fsdp_forward_method as torch_register
+
+    import ragged_optim as ro
+
+    m = _Encoder()
+    x = torch.tensor([[1, 2, 3], [4, 5, 6]])[rank : rank + 1] if world_size > 1 else torch.tensor([[1, 2, 3], [4, 5, 6]])
+    if kind == "ragged":
+        fully_shard(m.blk)
+        fully_shard(m)
+        ro.register_fsdp_forward_method(m, "encode")
+    elif kind == "fsdp2":
+        torch_fully_shard(m.blk)
+        torch_fully_shard(m)
+        torch_register(m, "encode")
+    with torch.no_grad():
+        first = m.encode(x)
+    m.encode(x).square().sum(-1).mean().backward()  # the mean over rows: what averaging over ranks gives
+    grads = {n: (full_grad(p) if kind == "ragged" else p.grad.full_tensor() if kind == "fsdp2" else p.grad)
+             for n, p in m.named_parameters() if n.startswith(("emb", "blk"))}  # fmt: skip
+    return first, grads
+
+
+def test_register_fsdp_forward_method_gathers_around_a_method():
+    """FSDP2 users call ``register_fsdp_forward_method(model, "encode")`` for methods other than forward; torch's does
+    nothing to our modules (not FSDPModules) and the method saw the sharded 1-D pieces: ``RuntimeError: 'weight'
+    must be 2-D``. ``ro.register_fsdp_forward_method`` gathers and reshards around it; grads as one process's."""
+    import ragged_optim as ro
+
+    one = run_on_ranks(_encode_run, 1, "plain")[0]
+    ours = run_on_ranks(_encode_run, 2, "ragged")
+    theirs = run_on_ranks(_encode_run, 2, "fsdp2")
+    for rank in range(2):
+        assert torch.equal(ours[rank][0], one[0][rank : rank + 1])
+    gap = max_abs_gap(theirs[0][1], one[1])
+    assert max_abs_gap(ours[0][1], one[1]) <= allowed(gap, magnitude(one[1]))
+    with pytest.raises(ValueError, match="not a ragged_optim.fully_shard module"):
+        ro.register_fsdp_forward_method(_Encoder(), "encode")
+
+
+def _scaled_overflow_in_one_shard(rank, world_size, opt_name):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    import ragged_optim as ro
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4, bias=False))
+    fully_shard(m, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32))
+    before = full_tensor(m[0].weight).clone()
+    opt = torch.optim.AdamW(m.parameters(), lr=0.1) if opt_name == "adamw" else ro.AdamW8bit(m.parameters(), lr=0.1)
+    scaler = ShardedGradScaler("cpu", init_scale=2.0**16)
+    loss = m(torch.full((2, 4), 100.0))[:, 0].float().sum()  # only weight row 0 gets a grad, and it overflows fp16
+    scaler.scale(loss).backward()
+    scaler.unscale_(opt)
+    scaler.step(opt)
+    scaler.update()
+    return scaler.get_scale(), torch.equal(full_tensor(m[0].weight), before)
+
+
+@pytest.mark.parametrize("opt_name", ["adamw", "adamw8bit"])
+def test_sharded_grad_scaler_skips_an_overflow_in_one_shard_on_every_rank(opt_name):
+    """docs/runtime.md's advice: an fp16 overflow in one rank's shard only. torch's ShardedGradScaler makes every
+    rank skip the step and halve its scale, as FSDP2's DTensor grads make the plain GradScaler do."""
+    assert run_on_ranks(_scaled_overflow_in_one_shard, 2, opt_name) == [(32768.0, True)] * 2
