@@ -40,34 +40,62 @@ def _local(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def _norm_type(norm_type) -> float:
+    """``norm_type`` as torch's clip_grad_norm_ takes it (a number, or "inf"), checked: p > 0 or inf."""
+    try:
+        p = float(norm_type)
+    except (TypeError, ValueError):
+        p = float("nan")
+    if not p > 0:  # NaN fails too
+        raise ValueError(
+            f"clip_grad_norm_: norm_type must be a number > 0 or inf (2.0: the Euclidean norm), got {norm_type!r}"
+        )
+    return p
+
+
 @torch.no_grad()
-def total_grad_norm(params, norm_type: float = 2.0) -> torch.Tensor:
-    """The norm of all grads as if unsharded (a collective over each unit's group; call it on every rank)."""
+def total_grad_norm(params, norm_type: float | str = 2.0) -> torch.Tensor:
+    """The ``norm_type``-norm of all grads as if unsharded (a collective over each unit's group; call it on every
+    rank). Computed in float64: the p-th powers of every local element summed per group, one all-reduce each."""
     params = [p for p in params if p is not None]
-    if norm_type != 2.0 and norm_type != float("inf"):
-        raise ValueError(f"clip_grad_norm_: norm_type must be 2.0 or inf, got {norm_type}")
+    p_norm = _norm_type(norm_type)
     by_group, replicated = _groups_of(params)
-    is_inf = norm_type == float("inf")
+    is_inf = p_norm == float("inf")
+
+    def add(acc, g):
+        g = _local(g).detach().double()
+        if is_inf:
+            return torch.maximum(acc, g.abs().max())
+        return acc + (g.pow(2).sum() if p_norm == 2.0 else g.abs().pow(p_norm).sum())
+
     device = _local(params[0]).device if params else torch.device("cpu")  # NCCL reduces device tensors only
     total = torch.zeros((), dtype=torch.float64, device=device)
     for group in by_group:  # every rank sees its units in the same order, so the all-reduces pair up
         part = torch.zeros((), dtype=torch.float64, device=device)
         for p in by_group[group]:
             if p.grad is not None and _local(p.grad).numel():
-                g = _local(p.grad).detach().double()
-                part = torch.maximum(part, g.abs().max()) if is_inf else part + g.pow(2).sum()
+                part = add(part, p.grad)
         all_reduce_flat(part, group=group, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM)
         total = torch.maximum(total, part) if is_inf else total + part
     for p in replicated:
         if p.grad is not None and p.grad.numel():
-            g = _local(p.grad).detach().double()
-            total = torch.maximum(total, g.abs().max()) if is_inf else total + g.pow(2).sum()
-    return (total if is_inf else total.sqrt()).float()
+            total = add(total, p.grad)
+    return (total if is_inf else total.pow(1.0 / p_norm)).float()
 
 
 @torch.no_grad()
-def clip_grad_norm_(params, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """Scale all grads so that their global norm is at most ``max_norm``; returns the norm before clipping."""
+def clip_grad_norm_(
+    parameters,
+    max_norm: float,
+    norm_type: float | str = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor:
+    """Scale all grads so that their global norm is at most ``max_norm``; returns the norm before clipping.
+    ``torch.nn.utils.clip_grad_norm_``'s arguments; the norm is global (a collective: call it on every rank).
+    ``error_if_nonfinite``: raise (on every rank, before any grad changes) when the norm is NaN or inf.
+    ``foreach`` is accepted for torch's signature and changes nothing here."""
+    del foreach
     is_number = isinstance(max_norm, numbers.Real) or (isinstance(max_norm, torch.Tensor) and max_norm.numel() == 1)
     limit = float(max_norm) if is_number else float("nan")
     if not limit >= 0:  # checked before the collective, so every rank raises together; NaN fails too
@@ -75,10 +103,16 @@ def clip_grad_norm_(params, max_norm: float, norm_type: float = 2.0) -> torch.Te
             f"clip_grad_norm_: max_norm must be a number >= 0 (the largest global grad norm to allow), got "
             f"{max_norm!r}; a negative max_norm would flip the gradients' signs"
         )
-    if isinstance(params, torch.Tensor):
-        params = [params]
-    params = list(params)
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    params = list(parameters)
     norm = total_grad_norm(params, norm_type)
+    if error_if_nonfinite and not torch.isfinite(norm):  # the same global norm on every rank: all raise
+        raise RuntimeError(
+            f"clip_grad_norm_: the total norm of order {float(norm_type)} of the gradients is non-finite, so it "
+            "cannot be clipped; the gradients are unchanged. To scale them by the non-finite norm anyway, set "
+            "error_if_nonfinite=False"
+        )
     coef = (limit / (norm.double() + 1e-6)).clamp(max=1.0)
     for p in params:
         if p.grad is not None:

@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 from fsdp_models import batch, local_rows, loss_fn, make_model, shard
-from noise_bounds import assert_within_reference, magnitude, max_rel_gap
+from noise_bounds import allowed, assert_within_reference, magnitude, max_rel_gap
 
 from ragged_optim.comm.counter import count_collectives
 from ragged_optim.comm.launch import run_on_ranks
@@ -425,3 +425,57 @@ def test_a_units_buffers_are_freed_before_its_reduce_scatter():
     assert len(seen) == 4
     assert all(nbytes == 0 for nbytes, _ in seen), seen
     assert not any(held for _, held in seen), seen
+
+
+def _clip_like_torch(rank, world_size):
+    """ro.clip_grad_norm_ on our params with torch's arguments; torch's on FSDP2's DTensor params (the control, a
+    global norm too) on the same model and rows."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from ragged_optim.sharding import full_grad
+
+    x, y = batch(0)
+    out = {}
+    for norm_type in (1.0, 2.0, 3, float("inf"), "inf"):
+        for kind, shard_fn, clip in (("ours", fully_shard, clip_grad_norm_),
+                                     ("fsdp2", torch_fully_shard, torch.nn.utils.clip_grad_norm_)):  # fmt: skip
+            model = shard(make_model(), shard_fn)
+            loss_fn(model, local_rows(x, rank, world_size), local_rows(y, rank, world_size)).backward()
+            norm = clip(model.parameters(), 0.1, norm_type=norm_type, error_if_nonfinite=True, foreach=True)
+            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+            out[kind, str(norm_type)] = (norm.item(), {n: full_grad(p) for n, p in model.named_parameters()})
+    model = shard(make_model(), fully_shard)
+    loss_fn(model, local_rows(x, rank, world_size), local_rows(y, rank, world_size)).backward()
+    p0 = next(model.parameters())
+    if rank == 0 and p0.grad.numel():
+        p0.grad[0] = float("nan")  # on one rank only: every rank must raise, before any grad changes
+    before = {n: full_grad(p) for n, p in model.named_parameters()}
+    try:
+        clip_grad_norm_(model.parameters(), 0.1, error_if_nonfinite=True)
+        raised = None
+    except RuntimeError as e:
+        raised = str(e)
+    unchanged = all(torch.equal(full_grad(p), before[n]) | torch.isnan(before[n]).any()
+                    for n, p in model.named_parameters())  # fmt: skip
+    return out, raised, unchanged
+
+
+def test_clip_grad_norm_takes_torchs_arguments():
+    """torch's clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite, foreach): before, ours took only
+    norm_type 2.0 or inf (``"inf"`` was refused as "must be 2.0 or inf, got inf"), and error_if_nonfinite / foreach
+    were a TypeError. Each norm equals torch's on FSDP2 within FSDP2's own gap to a one-process norm."""
+    results = run_on_ranks(_clip_like_torch, 2)  # (at 3 ranks FSDP2's inf norm fails on an empty local shard)
+    out, raised, unchanged = results[0]
+    for norm_type in ("1.0", "2.0", "3", "inf", "inf"):
+        ours, theirs = out["ours", norm_type], out["fsdp2", norm_type]
+        model = make_model()
+        x, y = batch(0)
+        for r in range(2):
+            (loss_fn(model, local_rows(x, r, 2), local_rows(y, r, 2)) / 2).backward()
+        flat = torch.cat([p.grad.double().flatten() for p in model.parameters()])
+        exact = torch.linalg.vector_norm(flat, float(norm_type)).item()  # float64: the reference both are held to
+        assert abs(ours[0] - exact) <= allowed(abs(theirs[0] - exact), exact), norm_type
+        coef = min(1.0, 0.1 / (exact + 1e-6))
+        clipped = {n: (p.grad.double() * coef).float() for n, p in model.named_parameters()}
+        assert max_rel_gap(ours[1], clipped) <= allowed(max_rel_gap(theirs[1], clipped), 1.0), norm_type
+    assert all(r[1] and "non-finite" in r[1] for r in results) and all(r[2] for r in results)
