@@ -121,7 +121,18 @@ class RaggedDTensor(DTensor):
 
     _ragged_ranges: tuple[Pieces, ...]
     _ragged_rank: int
-    _ragged_group: object
+
+    def data_ptr(self) -> int:
+        """0, as for any DTensor wrapper built over a local tensor at offset 0: the wrapper holds no storage. (Ours
+        sit at the flat shard's offsets, which made torch report a fake nonzero address, and DCP's async stager
+        then tried to copy the wrapper's storage instead of its local tensor.)"""
+        return 0
+
+    @property
+    def _ragged_group(self):
+        """The process group, from the mesh: not an attribute of its own, which copies (DCP's async stager deep-copies
+        the tensor's ``__dict__``) could not take (``cannot pickle ProcessGroup``)."""
+        return self.device_mesh.get_group()
 
     # ----- DCP's chunk protocol ---------------------------------------------------------------------------
     def _boxes(self) -> list[Box]:
@@ -213,6 +224,9 @@ class RaggedDTensor(DTensor):
             return me._rewrap(me._local_tensor)
         if me is not None and func in _ON_LOCAL and all(not isinstance(a, DTensor) for a in args[1:]):
             return me._rewrap(func(me._local_tensor, *args[1:], **kwargs))
+        if me is not None and func is torch.ops.aten.new_empty.default and tuple(args[1]) == tuple(me.shape):
+            # DCP's async stager copies a DTensor as new_empty(full size) and then its local tensor: an empty piece
+            return me._rewrap(torch.empty_like(me._local_tensor, **kwargs))
         raise RuntimeError(  # not TypeError: torch turns that into NotImplemented for operators
             f"{func} on a ragged-sharded state-dict tensor: it holds a ragged piece of the flattened tensor, which "
             "no DTensor op rule understands. Save or load it with torch.distributed.checkpoint, call .full_tensor() "
@@ -250,7 +264,6 @@ def _build(local, shape, ranges, rank, group) -> RaggedDTensor:
     out = RaggedDTensor(local, spec, requires_grad=False)
     out._ragged_ranges = normalize_ranges(ranges)
     out._ragged_rank = int(rank)
-    out._ragged_group = group
     return out
 
 

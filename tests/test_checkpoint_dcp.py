@@ -555,3 +555,52 @@ def test_our_optimizers_on_fsdp2_params_reload_their_own_state_dict():
     for r in run_on_ranks(fsdp2_reload_own_state, 2):
         for plain, reloaded in r.values():
             assert_same(reloaded, plain)
+
+
+def _async_saved(rank, world_size, path, phase):
+    """``dcp.async_save`` of torch's ``get_state_dict`` (torchtitan's checkpointing), training going on while it
+    writes; the load must give the values at the save, not after the steps taken since."""
+    from ragged_optim.optim import Muon, muon_param_groups
+    from ragged_optim.sharding import full_tensor
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 8))
+    fully_shard(model)
+    opt = Muon(muon_param_groups(model), lr=0.02, ns_dtype=torch.float32)
+    snapshot = lambda: {n: full_tensor(p).clone() for n, p in model.named_parameters()}  # noqa: E731
+    if phase == "save":
+        for step in range(2):
+            _set_grads(model, step, default_grad)
+            opt.step()
+        at_save = snapshot()
+        msd, osd = get_state_dict(model, opt)
+        future = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=path)
+        _set_grads(model, 2, default_grad)
+        opt.step()  # while the checkpoint is written
+        future.result()
+        return at_save, None
+    if phase == "reference":  # steps 0 and 1, then step 3's grads: what the loaded run does
+        for step in (0, 1, 3):
+            _set_grads(model, step, default_grad)
+            opt.step()
+        return None, snapshot()
+    msd, osd = get_state_dict(model, opt)
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+    loaded = snapshot()
+    _set_grads(model, 3, default_grad)
+    opt.step()
+    return loaded, snapshot()
+
+
+def test_async_save_of_torchs_state_dict(tmp_path):
+    """Before: ``aten.new_empty.default on a ragged-sharded state-dict tensor`` (then ``cannot pickle ProcessGroup``):
+    DCP's async stager copies each tensor and its attributes. Now the staged copy is a snapshot: loaded at another
+    world size it holds the values at the save (the saving run took a step while writing), and the next step
+    lands where a run that never stopped lands."""
+    path = str(tmp_path / "ckpt")
+    at_save, _ = run_on_ranks(_async_saved, 2, path, "save")[0]
+    loaded, after = run_on_ranks(_async_saved, 3, path, "load")[0]
+    _, want = run_on_ranks(_async_saved, 2, path, "reference")[0]
+    assert all(torch.equal(loaded[n], at_save[n]) for n in at_save)
+    assert all(torch.equal(after[n], want[n]) for n in want)  # the optimizer state came back too
