@@ -7,7 +7,8 @@ root ``r = sqrt(v)`` (see :mod:`ragged_optim.kernels.adamw8bit`):
     m = table_s[m_code] * m_scale             r = table_u[v_code] * v_scale;  v = r * r
     p = p * decay                             decay = 1 - lr * weight_decay
     m = b1 * m + c1 * g                       c1 = 1 - b1
-    v = b2 * v + c2 * (g * g)                 c2 = 1 - b2
+    v = b2 * v + (c2 * g) * g                 c2 = 1 - b2 (c2 * g first: g * g overflows at 1.8e19)
+    v = min(v, FLT_MAX)                       (a v that overflowed to inf: its block's scale stays finite)
     r = sqrt(v)
     bound = r * m_bound                       m_bound = C_t of adamw8bit_m_bound (|m| <= C_t sqrt(v) in exact Adam)
     m = bound if m > bound; -bound if m < -bound; else m
@@ -27,6 +28,10 @@ import numpy as np
 import torch
 
 from .quant_ref import block_rows, chunk_elems_for, dequantize_rows, quantize_rows
+
+# The largest float32. A gradient beyond ~1e19 makes v overflow to inf; an inf block scale then turned every
+# code of the block into NaN (0 * inf) or inf at the next step, for good.
+FLT_MAX = float(torch.finfo(torch.float32).max)
 
 
 def ieee_sqrt_(t: torch.Tensor) -> torch.Tensor:
@@ -59,7 +64,7 @@ def adamw8bit_ref(
         v = r.mul_(r)
         pb.mul_(decay)
         m.mul_(b1).add_(gb * c1)
-        v.mul_(b2).add_((gb * gb).mul_(c2))
+        v.mul_(b2).add_((gb * c2).mul_(gb)).clamp_(max=FLT_MAX)
         r = ieee_sqrt_(v)
         bound = r * m_bound
         m = torch.where(m > bound, bound, torch.where(m < -bound, -bound, m))

@@ -6,8 +6,11 @@ import torch
 import triton
 import triton.language as tl
 
+from .adamw8bit_ref import FLT_MAX
 from .qmaps import dynamic_tables
 from .quant_triton import LAUNCH_OPTS, dequantize_tile, quantize_tile, tile_shape, to_bf16_rtne
+
+_FLT_MAX = tl.constexpr(FLT_MAX)  # (a jit function reads constexpr globals only)
 
 
 @triton.jit(do_not_specialize=["numel", "num_blocks", "BS"])
@@ -35,7 +38,7 @@ def _adamw8bit_kernel(p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr,
     v = r * r  # the state holds sqrt(v)
     p = p * decay
     m = m * b1 + g * c1
-    v = v * b2 + (g * g) * c2
+    v = tl.minimum(v * b2 + (g * c2) * g, _FLT_MAX)  # (see adamw8bit_ref: the same order, the same clamp)
     r = tl.sqrt_rn(v)
     bound = r * m_bound
     m = tl.where(m > bound, bound, tl.where(m < -bound, -bound, m))  # |m| <= C_t sqrt(v), as in exact Adam

@@ -138,6 +138,29 @@ def test_zero_grad_and_zero_state_no_nan():
     assert not p.isnan().any() and not s["m_scales"].isnan().any()
 
 
+@pytest.mark.parametrize("spike", [1e20, 1e30])
+def test_one_huge_finite_grad_leaves_no_nan(spike):
+    """A finite grad beyond ~1.8e19 made ``g * g`` overflow: v became inf, its block's scale inf, and from the next
+    step every code of the block dequantized to NaN (0 * inf: elements with no grad) or inf, for good, while
+    torch's AdamW trains on. Now ``(c2 * g) * g`` (torch's order) and a clamp to the largest float32 keep the
+    block finite. Other blocks never see it: they equal a run without the spike, bit for bit."""
+    n, bs = 512, 256
+    runs = []
+    for with_spike in (True, False):
+        p = torch.linspace(-1, 1, n)
+        s = init_adamw8bit_state(n, bs)
+        for step in range(1, 6):
+            g = torch.sin(torch.arange(n) * 0.37 + step) * 1e-2
+            g[100:200] = 0.0  # never a gradient: v stays 0 (code 0)
+            if with_spike and step == 1:
+                g[5] = spike
+            _step(p, g, s, step, bs, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8)
+        runs.append((p, s))
+    (p, s), (p_ref, _) = runs
+    assert bool(torch.isfinite(p).all()) and all(bool(torch.isfinite(s[k]).all()) for k in ("m_scales", "v_scales"))
+    assert torch.equal(p[bs:], p_ref[bs:])
+
+
 def test_bf16_grad_equals_upcast_grad():
     n, bs = 1000, 128
     p, g = _rand(n, 3)

@@ -255,6 +255,25 @@ else:
             assert torch.equal(p1, p2) and all(torch.equal(s1[k], s2[k]) for k in s1)
         assert bool((s1["v_codes"] == 0).sum() > 0) and bool((s1["v_codes"] == 1).sum() > 0)
 
+    def test_adamw8bit_exact_overflowing_grads():
+        """A grad beyond ~1e19 overflows v: both implementations clamp it to the largest float32 the same way."""
+        bs = 64
+        n = 3 * bs * SCALE
+        g_ = torch.Generator().manual_seed(11)
+        p = torch.randn(n, generator=g_).to(DEV)
+        s1 = init_adamw8bit_state(n, bs, DEV)
+        s2 = {k: v.clone() for k, v in s1.items()}
+        p1, p2 = p.clone(), p.clone()
+        for step in (1, 2, 3):
+            g = torch.randn(n, generator=g_).to(DEV)
+            g[5] = 1e30 if step == 1 else g[5]
+            g[20:40] = 0.0  # no grad in the spike's block: code 0, which an inf scale made NaN
+            kw = dict(step=step, lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, block_size=bs)
+            adamw8bit_step(p1, g, s1["m_codes"], s1["m_scales"], s1["v_codes"], s1["v_scales"], impl="triton", **kw)
+            adamw8bit_step(p2, g, s2["m_codes"], s2["m_scales"], s2["v_codes"], s2["v_scales"], impl="torch", **kw)
+            assert torch.equal(p1, p2) and all(torch.equal(s1[k], s2[k]) for k in s1)
+        assert bool(torch.isfinite(p1).all())
+
     def test_adamw8bit_exact_bf16_grad_no_wd():
         _adam_both(700 * SCALE, 128, steps=2, seed=1, gdtype=torch.bfloat16, wd=0.0)
 

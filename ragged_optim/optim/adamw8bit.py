@@ -48,7 +48,7 @@ from ragged_optim.kernels import (
     num_blocks,
     quantize_blockwise,
 )
-from ragged_optim.kernels.adamw8bit_ref import ieee_sqrt_
+from ragged_optim.kernels.adamw8bit_ref import FLT_MAX, ieee_sqrt_
 from ragged_optim.optim.base import full_shape, is_dtensor, local, local_ranges, process_group
 from ragged_optim.optim.blocks import local_range
 from ragged_optim.optim.muon import adamw_group_update_
@@ -618,7 +618,7 @@ def _unfused_step(
     gf = g.float()
     p.mul_(decay)
     m.mul_(b1).add_(gf * c1)
-    v.mul_(b2).add_((gf * gf).mul_(c2))
+    v.mul_(b2).add_((gf * c2).mul_(gf)).clamp_(max=FLT_MAX)  # (kernels/adamw8bit_ref.py: the order, the clamp)
     r = ieee_sqrt_(v)
     bound = r * m_bound
     m = torch.where(m > bound, bound, torch.where(m < -bound, -bound, m))
