@@ -235,3 +235,18 @@ def test_a_layout_hyperparameter_changed_mid_run_is_refused(cls, kw, key, new):
     other = cls([q], **{**kw, key: new})
     with pytest.raises(ValueError, match=f"has {key}="):
         other.load_state_dict(saved)
+
+
+@pytest.mark.parametrize("cls", [Muon, Shampoo, SOAP, AdamW8bit])
+@pytest.mark.parametrize("key", ["maximize", "amsgrad"])
+def test_torch_flags_that_would_be_ignored_are_refused(cls, key):
+    """torch keeps any key of a param group, so ``{"params": [...], "maximize": True}`` was silently ignored: the
+    optimizer minimized (AdamW8bit moved p by -lr where torch.optim.AdamW moves it by +lr). The constructor already
+    refused the keyword; a group key now is refused too, naming it, and a built optimizer keeps its groups."""
+    with pytest.raises(ValueError, match=rf"param group key {key}=True .*would be ignored"):
+        cls([{"params": [torch.zeros(4, 4, requires_grad=True)], key: True}])
+    opt = cls([torch.zeros(4, 4, requires_grad=True)])
+    with pytest.raises(ValueError, match=rf"{key}=True"):
+        opt.add_param_group({"params": [torch.zeros(3, 3, requires_grad=True)], key: True})
+    assert len(opt.param_groups) == 1
+    cls([{"params": [torch.zeros(4, 4, requires_grad=True)], key: False}])  # the default value is harmless

@@ -66,6 +66,10 @@ def check_bool(name: str, value: Any) -> bool:
     raise TypeError(f"{name} must be True or False, got {_shown(value)}")
 
 
+# torch optimizers' flags that change the update; accepted as group keys by torch (any key is), ignored by ours
+_UNSUPPORTED_FLAGS = ("maximize", "amsgrad")
+
+
 class RaggedOptimizer(BlockOptimizer):
     """A :class:`BlockOptimizer` (a ``torch.optim.Optimizer``: param groups, state_dict, LR schedulers, on plain,
     ragged-sharded and FSDP2 params) with our optimizers' shared checks. Subclasses start ``step`` with
@@ -73,6 +77,20 @@ class RaggedOptimizer(BlockOptimizer):
 
     #: the non-finite policy and the count of skipped steps are settings a copy keeps
     _settings_attrs = (*BlockOptimizer._settings_attrs, "nonfinite", "found_nonfinite")
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's, after refusing torch optimizer flags that change the math and that this optimizer does not
+        implement: torch keeps any key of a group, so ``{"params": ..., "maximize": True}`` was silently ignored
+        (the optimizer minimized)."""
+        if isinstance(param_group, dict):
+            for key in _UNSUPPORTED_FLAGS:
+                if key not in self.defaults and param_group.get(key):
+                    raise ValueError(
+                        f"{type(self).__name__}: param group key {key}={param_group[key]!r} (torch.optim.AdamW's) is "
+                        f"not implemented here and would be ignored; remove it"
+                        + (" (negate the loss to maximize)" if key == "maximize" else "")
+                    )
+        super().add_param_group(param_group)
 
     def _check_dtensor(self, gi: int, i: int, p: torch.Tensor) -> None:
         """Refuse a DTensor param this library cannot place (FSDP2's HSDP ``(Replicate(), Shard(0))``, ``Shard(1)``)."""
