@@ -574,7 +574,9 @@ def _async_saved(rank, world_size, path, phase):
             opt.step()
         at_save = snapshot()
         msd, osd = get_state_dict(model, opt)
-        future = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=path)
+        # its own process group, as torchtitan does: the writer's collectives run in a thread beside the step's
+        pg = torch.distributed.new_group(backend="gloo")
+        future = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=path, process_group=pg)
         _set_grads(model, 2, default_grad)
         opt.step()  # while the checkpoint is written
         future.result()
