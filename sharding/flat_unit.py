@@ -334,10 +334,16 @@ class FlatUnit:
                 view = self._local_slice(i)
                 if torch._has_compatible_shallow_copy_type(sp, view):
                     sp.data = view
-                else:  # meta -> a real device: a new Parameter object, as module._apply makes
-                    new_sp = nn.Parameter(view, requires_grad=sp.requires_grad)
-                    setattr(new_sp, _INFO_ATTR, getattr(sp, _INFO_ATTR))
-                    self.sharded_params[i] = new_sp
+                    continue
+                # meta -> a real device: the same Parameter object with the new tensor swapped in (as FSDP2 keeps
+                # its params), so that an optimizer built before to_empty still holds the model's params; before,
+                # a new object replaced it and a torch optimizer built earlier silently trained nothing
+                attrs, new_sp = dict(sp.__dict__), nn.Parameter(view, requires_grad=sp.requires_grad)
+                try:
+                    torch.utils.swap_tensors(sp, new_sp)  # (swaps the objects' __dict__ too: put ours back)
+                except RuntimeError:  # a weak reference to it, which swapping would break: a new object
+                    self.sharded_params[i] = sp = new_sp
+                sp.__dict__.update(attrs)
             if self.sharded_grad is not None:
                 grads = fn(self.sharded_grad)
                 self._sharded_grad = weakref.ref(grads)

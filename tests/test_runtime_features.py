@@ -324,3 +324,32 @@ def test_an_optimizer_built_on_meta_params_is_a_clear_error():
     """Before: NotImplementedError from an .item() on a meta tensor inside the layout's rank agreement check."""
     for err in run_on_ranks(_optimizer_on_meta, 2):
         assert err is not None and "still on the meta device" in err and "after model.to_empty" in err
+
+
+def _optimizer_built_on_meta(rank, world_size, before):
+    with torch.device("meta"):
+        model = Awkward()
+    shard(model, fully_shard)
+    params = list(model.parameters())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1) if before else None
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    init_weights(model)
+    if opt is None:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    same_objects = all(a is b for a, b in zip(params, model.parameters()))
+    x = torch.randint(0, 1001, (4, 5), generator=torch.Generator().manual_seed(rank))
+    model(x).square().mean().backward()
+    opt.step()
+    return same_objects, [full_tensor(p) for p in model.parameters()]
+
+
+def test_a_torch_optimizer_built_before_to_empty_trains_the_model():
+    """FSDP2 keeps its Parameter objects through ``to_empty``; ours replaced them with new ones when leaving meta, so
+    a torch optimizer built before (FSDP2 code in that order) held stale meta params and ``opt.step()`` silently
+    changed nothing (0 of 21 tensors of a tiny Llama). Now the objects are kept, and the step equals the one of an
+    optimizer built after."""
+    before = run_on_ranks(_optimizer_built_on_meta, 2, True)[0]
+    after = run_on_ranks(_optimizer_built_on_meta, 2, False)[0]
+    assert before[0]
+    assert all(torch.equal(a, b) for a, b in zip(before[1], after[1]))
