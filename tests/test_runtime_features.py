@@ -353,3 +353,53 @@ def test_a_torch_optimizer_built_before_to_empty_trains_the_model():
     after = run_on_ranks(_optimizer_built_on_meta, 2, False)[0]
     assert before[0]
     assert all(torch.equal(a, b) for a, b in zip(before[1], after[1]))
+
+
+class _ZeroedOut(nn.Module):
+    """A block whose reset_parameters reaches into a child (GPT-style: the residual projection starts at 0),
+    called at the end of its __init__, as eager construction does; ``gain`` makes it hold a param of its own."""
+
+    def __init__(self, own_param):
+        super().__init__()
+        self.fc1 = nn.Linear(6, 12)
+        self.fc2 = nn.Linear(12, 6)
+        self.gain = nn.Parameter(torch.empty(6)) if own_param else None
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        nn.init.zeros_(self.fc2.weight)
+        if self.gain is not None:
+            nn.init.normal_(self.gain)
+
+
+class _ZeroedModel(nn.Module):
+    def __init__(self, own_param):
+        super().__init__()
+        self.emb = nn.Embedding(10, 6)
+        self.blocks = nn.ModuleList([_ZeroedOut(own_param) for _ in range(2)])
+        self.head = nn.Linear(6, 10)
+
+
+def _meta_zeroed(rank, world_size, own_param):
+    with torch.device("meta"):
+        model = _ZeroedModel(own_param)
+    for b in model.blocks:
+        fully_shard(b)
+    fully_shard(model)
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    init_weights(model)
+    return {n: full_tensor(p) for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("own_param", [True, False])
+def test_init_weights_keeps_a_parents_init_of_its_children(own_param):
+    """Before: modules ran parent first, on their own params only, so a block's reset_parameters zeroing its child
+    fc2 ran before fc2's own init (which overwrote it with random values), or, for a block without params of its
+    own, never ran: fc2.weight's largest |value| was 0.25 where the eager build has 0. Now the result equals
+    building the model normally with the same seed, bit for bit."""
+    torch.manual_seed(0)
+    eager = {n: p.detach() for n, p in _ZeroedModel(own_param).named_parameters()}
+    got = run_on_ranks(_meta_zeroed, 2, own_param)[0]
+    assert got.keys() == eager.keys()
+    assert all(torch.equal(got[n], eager[n]) for n in eager), [n for n in eager if not torch.equal(got[n], eager[n])]
