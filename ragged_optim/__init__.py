@@ -30,6 +30,7 @@ from ragged_optim.sharding import (
     get_full_state_dict,
     init_weights,
     load_full_state_dict,
+    match_layout,
     register_fsdp_forward_method,
     shard_info,
 )
@@ -62,6 +63,7 @@ __all__ = [
     "get_full_state_dict",
     "init_weights",
     "load_full_state_dict",
+    "match_layout",
     "muon_param_groups",
     "register_fsdp_forward_method",
     "shard_info",

@@ -169,12 +169,36 @@ class FlatUnit:
         split = self.allow_split if allow_split is None else allow_split
         if new_specs == self.specs and split == self.allow_split:
             return False
+        self._refuse_if_locked([self.names[i] for i in specs])
+        old_specs, old_split = self.specs, self.allow_split
+        self.specs, self.allow_split = new_specs, split
+        try:
+            layout = self._plan(self.layout.shapes, compute_load)
+        except BaseException:
+            self.specs, self.allow_split = old_specs, old_split
+            raise
+        self._move_to(layout)
+        return True
+
+    def adopt_layout(self, layout: Layout, specs, allow_split: bool) -> bool:
+        """Take ``layout`` (another unit's of the same params: names, shapes, dtype, world size) and move the data
+        to match. A collective, as :meth:`relayout`. Returns True when the layout changed."""
+        if layout == self.layout:
+            return False
+        self._refuse_if_locked(list(self.names))
+        self.specs, self.allow_split = list(specs), allow_split
+        self._move_to(layout)
+        return True
+
+    def _refuse_if_locked(self, names) -> None:
         if self.layout_locked:
-            names = [self.names[i] for i in specs]
             raise RuntimeError(
                 f"the layout of params {names[:3]} is already in use by an optimizer's state; construct every "
                 "optimizer before the first step (or pass block_policy= to fully_shard)"
             )
+
+    def _move_to(self, layout: Layout) -> None:
+        """Redistribute the local shard (and grads) from the current layout to ``layout``."""
         old_layout, old_shard = self.layout, self.local_shard
         # Grads that exist (a backward ran before the optimizer was built, or before add_param_group) move with
         # their elements; a param has a grad afterwards where it had one on any rank.
@@ -189,8 +213,7 @@ class FlatUnit:
             for i, sp in enumerate(self.sharded_params):
                 if sp.grad is not None:
                     self._shard_view(old_grads, i).copy_(sp.grad)
-        self.specs, self.allow_split = new_specs, split
-        self.layout = self._plan(old_layout.shapes, compute_load)
+        self.layout = layout
         self.local_shard = self._redistribute(old_layout, old_shard, self.layout)
         grads = self._redistribute(old_layout, old_grads, self.layout) if old_grads is not None else None
         for i, sp in enumerate(self.sharded_params):
@@ -199,7 +222,6 @@ class FlatUnit:
         self._sharded_grad = weakref.ref(grads) if grads is not None else None
         self.is_unsharded, self.stale = False, True
         self._build_unsharded_params()
-        return True
 
     def _pieces(self, src_layout: Layout, src_rank: int, dst_layout: Layout, dst_rank: int):
         """``(param, lo, hi)``: the runs of elements that ``src_rank`` holds under ``src_layout`` and ``dst_rank``

@@ -403,3 +403,54 @@ def test_init_weights_keeps_a_parents_init_of_its_children(own_param):
     got = run_on_ranks(_meta_zeroed, 2, own_param)[0]
     assert got.keys() == eager.keys()
     assert all(torch.equal(got[n], eager[n]) for n in eager), [n for n in eager if not torch.equal(got[n], eager[n])]
+
+
+def _ema_run(rank, world_size, opt_name, match):
+    import torch.nn.functional as F
+
+    import ragged_optim as ro
+
+    def build():
+        model = make_model(n_blocks=2)
+        if world_size > 1:
+            shard(model, fully_shard)
+        return model
+
+    student, ema = build(), build()
+    for p in ema.parameters():
+        p.requires_grad_(False)
+    opt = {"adamw8bit": lambda: ro.AdamW8bit(student.parameters(), lr=3e-3, block_size=256, min_8bit_size=256),
+           "shampoo": lambda: ro.Shampoo(student.parameters(), lr=3e-3, max_preconditioner_dim=16)}[opt_name]()  # fmt: skip
+    if match and world_size > 1:
+        ro.match_layout(ema, student)
+    x, y = batch(0, n=6)
+    try:
+        for _ in range(2):
+            rows = (local_rows(x, rank, world_size), local_rows(y, rank, world_size)) if world_size > 1 else (x, y)
+            F.cross_entropy(student(rows[0]).flatten(0, 1), rows[1].flatten()).backward()
+            opt.step()
+            opt.zero_grad()
+            with torch.no_grad():
+                torch._foreach_lerp_(list(ema.parameters()), list(student.parameters()), 0.5)
+    except RuntimeError as e:
+        return str(e)
+    full = lambda m: {n: full_tensor(p) for n, p in m.named_parameters()}  # noqa: E731
+    return full(ema), full(student)
+
+
+@pytest.mark.parametrize("opt_name", ["adamw8bit", "shampoo"])
+def test_match_layout_pairs_an_ema_model_with_its_student(opt_name):
+    """An EMA twin sharded like its student: the student's optimizer re-plans the student's units for its blocks,
+    so ``torch._foreach_lerp_(ema params, student params)`` met pieces of other lengths ("The size of tensor a
+    (1368) must match the size of tensor b (1536)") or, where lengths happened to agree, other elements.
+    ``ro.match_layout(ema, student)`` gives the EMA the student's layout; the EMA then equals the one-process
+    EMA within the student's own gap to one process (the same elements, lerped)."""
+    from noise_bounds import magnitude, max_abs_gap
+
+    ema_one, student_one = run_on_ranks(_ema_run, 1, opt_name, False)[0]
+    got = run_on_ranks(_ema_run, 3, opt_name, True)[0]
+    assert isinstance(got, tuple), got
+    ema, student = got
+    assert max_abs_gap(ema, ema_one) <= allowed(max_abs_gap(student, student_one), magnitude(ema_one))
+    unmatched = run_on_ranks(_ema_run, 3, opt_name, False)[0]
+    assert isinstance(unmatched, str) and "must match the size" in unmatched  # what it fixes

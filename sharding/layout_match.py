@@ -1,0 +1,37 @@
+"""Giving a second model the first one's layout, so that elementwise updates between their params pair up."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ragged_optim.sharding.fully_shard import units_of
+
+
+def match_layout(model: nn.Module, like: nn.Module) -> None:
+    """Lay out every unit of ``model`` as the matching unit of ``like``, a model of the same structure sharded the
+    same way (an EMA copy, a teacher): their params' local pieces are then the same elements, so elementwise
+    updates between them (``torch._foreach_lerp_(list(ema.parameters()), list(model.parameters()), 1 - decay)``,
+    ``copy_``) pair up. Needed once ``like``'s optimizer has re-planned its units for its blocks (Muon, Shampoo,
+    SOAP, AdamW8bit do at construction); without it the pieces differ, and such an update raises a size mismatch
+    or, where two pieces happen to have the same length, mixes elements silently. A collective (data moves
+    between ranks): call it on every rank after the optimizer over ``like`` is built, before ``model``'s layout is
+    used by an optimizer's state. Nothing changes where the layouts already agree."""
+    mine, theirs = units_of(model), units_of(like)
+    if len(mine) != len(theirs):
+        raise ValueError(
+            f"match_layout: the model has {len(mine)} fully_shard units and the one to match {len(theirs)}: shard "
+            "both with the same fully_shard calls (the same modules, and the same params frozen)"
+        )
+    for a, b in zip(mine, theirs):
+        same = (a.layout.names, a.layout.shapes, a.dtype, a.world_size) == (
+            b.layout.names, b.layout.shapes, b.dtype, b.world_size
+        )  # fmt: skip
+        if not same:
+            raise ValueError(
+                f"match_layout: unit of {a.module_name} (params {list(a.layout.names)[:3]}, {a.dtype}, world size "
+                f"{a.world_size}) differs from the matching unit of {b.module_name} (params {list(b.layout.names)[:3]}, "
+                f"{b.dtype}, world size {b.world_size}): the two models must have the same structure, dtypes and "
+                "fully_shard calls"
+            )
+    for a, b in zip(mine, theirs):
+        a.adopt_layout(b.layout, b.specs, b.allow_split)
