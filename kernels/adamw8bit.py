@@ -30,8 +30,11 @@ STATE_FORMAT_VERSION = 2
 
 
 def _f32(x: float) -> float:
-    """``x`` rounded to float32, on the host (numpy, not a tensor: nothing here reads tensor data)."""
-    return float(np.float32(x))
+    """``x`` rounded to float32, on the host (numpy, not a tensor: nothing here reads tensor data); beyond
+    float32's range, inf, without numpy's overflow warning (a bound C_t that grows without limit when
+    beta1**2 > beta2 is inf by design)."""
+    with np.errstate(over="ignore"):
+        return float(np.float32(x))
 
 
 def adamw8bit_constants(

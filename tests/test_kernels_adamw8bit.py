@@ -235,3 +235,13 @@ def test_reference_is_vectorised():
     finally:
         torch.set_num_threads(threads)
     assert spent < 2.0, spent
+
+
+def test_an_unbounded_m_bound_is_inf_without_a_warning():
+    """betas with beta1**2 > beta2 make C_t grow without limit; past float32's range it is inf by design, and
+    numpy's ``RuntimeWarning: overflow encountered in cast`` came out of every step from then on."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert adamw8bit_m_bound(1100, 0.99, 0.5) == math.inf
