@@ -244,4 +244,6 @@ def test_an_unbounded_m_bound_is_inf_without_a_warning():
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert adamw8bit_m_bound(1100, 0.99, 0.5) == math.inf
+        from ragged_optim.kernels.adamw8bit import adamw8bit_m_bound_of
+
+        assert adamw8bit_m_bound_of(1e80) == math.inf  # the running C_t**2 the optimizer keeps, past float32's max
