@@ -29,9 +29,9 @@ def match_layout(model: nn.Module, like: nn.Module) -> None:
         if not same:
             raise ValueError(
                 f"match_layout: unit of {a.module_name} (params {list(a.layout.names)[:3]}, {a.dtype}, world size "
-                f"{a.world_size}) differs from the matching unit of {b.module_name} (params {list(b.layout.names)[:3]}, "
-                f"{b.dtype}, world size {b.world_size}): the two models must have the same structure, dtypes and "
-                "fully_shard calls"
+                f"{a.world_size}) differs from the matching unit of {b.module_name} (params "
+                f"{list(b.layout.names)[:3]}, {b.dtype}, world size {b.world_size}): the two models must have the "
+                "same structure, dtypes and fully_shard calls"
             )
     for a, b in zip(mine, theirs):
         a.adopt_layout(b.layout, b.specs, b.allow_split)

@@ -207,7 +207,8 @@ def _encode_run(rank, world_size, kind):
     import ragged_optim as ro
 
     m = _Encoder()
-    x = torch.tensor([[1, 2, 3], [4, 5, 6]])[rank : rank + 1] if world_size > 1 else torch.tensor([[1, 2, 3], [4, 5, 6]])
+    both = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    x = both[rank : rank + 1] if world_size > 1 else both
     if kind == "ragged":
         fully_shard(m.blk)
         fully_shard(m)

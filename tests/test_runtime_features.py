@@ -419,8 +419,10 @@ def _ema_run(rank, world_size, opt_name, match):
     student, ema = build(), build()
     for p in ema.parameters():
         p.requires_grad_(False)
-    opt = {"adamw8bit": lambda: ro.AdamW8bit(student.parameters(), lr=3e-3, block_size=256, min_8bit_size=256),
-           "shampoo": lambda: ro.Shampoo(student.parameters(), lr=3e-3, max_preconditioner_dim=16)}[opt_name]()  # fmt: skip
+    if opt_name == "adamw8bit":
+        opt = ro.AdamW8bit(student.parameters(), lr=3e-3, block_size=256, min_8bit_size=256)
+    else:
+        opt = ro.Shampoo(student.parameters(), lr=3e-3, max_preconditioner_dim=16)
     if match and world_size > 1:
         ro.match_layout(ema, student)
     x, y = batch(0, n=6)

@@ -6,8 +6,8 @@ checkpoints across world sizes."""
 from __future__ import annotations
 
 import copy
-import os
 import math
+import os
 import re
 
 import pytest

@@ -72,8 +72,8 @@ def set_nonfinite_policy(opt: torch.optim.Optimizer, policy: str) -> None:
         raise TypeError(
             f"set_nonfinite_policy: {type(opt).__name__} is not a ragged-optim optimizer, and only those check grads "
             "in step(), so the policy would do nothing. For torch's optimizers check the grads yourself (e.g. "
-            "a grad scaler skips steps with inf/NaN grads: on ragged_optim.fully_shard params torch's ShardedGradScaler, "
-            "whose check agrees across ranks)"
+            "a grad scaler skips steps with inf/NaN grads: on ragged_optim.fully_shard params torch's "
+            "ShardedGradScaler, whose check agrees across ranks)"
         )
     if policy not in NONFINITE_POLICIES:
         raise ValueError(f"nonfinite policy must be one of {NONFINITE_POLICIES}, got {policy!r}")
