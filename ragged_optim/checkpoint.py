@@ -119,6 +119,20 @@ def _gather_objects(obj) -> list:
     return out
 
 
+def _same_path_everywhere(path: str, what: str) -> None:
+    """Every rank must name the same folder (a path built per rank, e.g. from a timestamp, left rank 0's data in one
+    folder marked complete and the others' in another; a load mixed checkpoints): a CheckpointError on every rank
+    before anything is written or read."""
+    paths = _gather_objects(path)
+    if any(p != paths[0] for p in paths):
+        r = next(k for k, p in enumerate(paths) if p != paths[0])
+        raise CheckpointError(
+            f"{what}: ranks passed different paths ({paths[0]!r} on rank 0, {paths[r]!r} on rank {r}); pass the "
+            "same path on every rank (build it on rank 0 and broadcast it, e.g. with "
+            "torch.distributed.broadcast_object_list); nothing was written or read"
+        )
+
+
 def _agree(error: str | None) -> None:
     """Raise the first rank's error on every rank (so a check that fails on one rank fails everywhere, before any
     rank changes anything)."""
@@ -356,6 +370,7 @@ def save_checkpoint(
     path = os.fsdecode(os.fspath(path))  # (a bytes path too)
     if isinstance(optimizers, torch.optim.Optimizer):
         optimizers = (optimizers,)
+    _same_path_everywhere(path, "save_checkpoint")
     token = _broadcast_obj(uuid.uuid4().hex[:12] if _rank() == 0 else None)
     tmp = f"{path}.tmp-{token}"
     sd: dict[str, Any] = {f"model.{k}": v for k, v in model.state_dict().items()}
@@ -689,6 +704,7 @@ def load_checkpoint(
     path = os.fsdecode(os.fspath(path))  # (a bytes path too)
     if isinstance(optimizers, torch.optim.Optimizer):
         optimizers = (optimizers,)
+    _same_path_everywhere(path, "load_checkpoint")
     try:  # each rank reads the folder itself (it may be node-local): every rank raises if one cannot
         path, torch_ckpt, meta, stored, problem = *_open(path), None
     except CheckpointError as e:

@@ -648,11 +648,28 @@ def _checkpoint_faults(rank, world, root):
         save_checkpoint(os.path.join(root, "bad_extra"), model, opts, extra={"lock": threading.Lock()})
     except CheckpointError as e:
         out["extra"] = str(e)
-    # (c) a checkpoint only rank 0 can see (node-local folders): every rank raises, none hangs or goes on alone
+    # (c) a checkpoint only rank 0 can see (node-local folders: rank 1 finds nothing at the same path): every rank
+    # raises, none hangs or goes on alone
+    import ragged_optim.checkpoint as ckpt_module
+
+    real_open = ckpt_module._open
+
+    def node_local_open(path):
+        raise CheckpointError(f"no checkpoint at {path!r} (nowhere to be seen on this node)")
+
+    ckpt_module._open = node_local_open if rank == 1 else real_open
     try:
-        load_checkpoint(ckpt if rank == 0 else os.path.join(root, "nowhere"), model, opts)
+        load_checkpoint(ckpt, model, opts)
     except CheckpointError as e:
         out["one_rank_missing"] = str(e)
+    finally:
+        ckpt_module._open = real_open
+    # (e) a path built per rank (from a timestamp, a rank number): refused on every rank before anything is written
+    for call in (save_checkpoint, load_checkpoint):
+        try:
+            call(os.path.join(root, f"run-{rank}"), model, opts)
+        except CheckpointError as e:
+            out[call.__name__] = str(e)
     # (d) one of ours that lost meta.pt is corrupt, not a plain torch checkpoint
     if rank == 0:
         os.remove(os.path.join(ckpt, "meta.pt"))
@@ -668,13 +685,17 @@ def test_checkpoint_faults_end_the_same_way_on_every_rank(tmp_path):
     """Before: (a) ``no checkpoint at 'ckpt'; an interrupted write left ['ckpt.tmp-..'] without a COMPLETE marker``
     (it had one) and the leftovers stayed for good; (b) rank 0 raised a bare TypeError and the other ranks waited for
     the timeout; (c) only the rank that could not see the folder raised, the other went into a collective alone
-    (gloo abort); (d) ``... is a plain torch DCP checkpoint ... Load it with optimizers=()``."""
+    (gloo abort); (d) ``... is a plain torch DCP checkpoint ... Load it with optimizers=()``; (e) a save to a path
+    that differs per rank returned on every rank, leaving rank 0's folder marked complete without rank 1's data
+    (in an orphaned ``run-1.tmp-...``), and a load mixed two checkpoints, silently."""
     for r in run_on_ranks(_checkpoint_faults, 2, str(tmp_path)):
         assert r["recovered"] == {"step": 2} and r["warned"]
         assert r["left"] == ["ckpt"]
         assert "extra=...) must be picklable" in r["extra"] and "_thread.lock" in r["extra"]
         assert "nowhere" in r["one_rank_missing"] and "(on rank 1)" in r["one_rank_missing"]
         assert "meta.pt" in r["no_meta"] and "plain torch DCP" not in r["no_meta"]
+        for what in ("save_checkpoint", "load_checkpoint"):
+            assert "ranks passed different paths" in r[what] and "run-1' on rank 1" in r[what], r[what]
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # the refused saves left nothing
 
 
