@@ -250,3 +250,15 @@ def test_torch_flags_that_would_be_ignored_are_refused(cls, key):
         opt.add_param_group({"params": [torch.zeros(3, 3, requires_grad=True)], key: True})
     assert len(opt.param_groups) == 1
     cls([{"params": [torch.zeros(4, 4, requires_grad=True)], key: False}])  # the default value is harmless
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bool, torch.int8])
+def test_integer_wire_dtypes_are_refused(dtype):
+    """Muon took any torch.dtype as wire_dtype: matrices gathered to their owner travelled truncated to integers or
+    bools, and the updates came back zero, 35-90x too large or pointing elsewhere. map_blocks the same."""
+    w = torch.zeros(4, 4, requires_grad=True)
+    with pytest.raises(ValueError, match="Muon: wire_dtype must be None, one of"):
+        Muon([w], wire_dtype=dtype)
+    opt = Shampoo([w])
+    with pytest.raises(ValueError, match="map_blocks: wire_dtype must be"):
+        opt.map_blocks(lambda blocks: [b.value for b in blocks], [w], [torch.ones(4, 4)], wire_dtype=dtype)

@@ -415,13 +415,14 @@ class BlockOptimizer(torch.optim.Optimizer):
         per process group for all of them (none when no block needs another rank's data). Returns, per param, a
         tensor shaped like ``local(params[k])`` holding the results: ``out[k]`` when given (results are written
         into it; a result that *is* the block's view of ``out[k]`` is not copied); else ``fn``'s own result when
-        one block is the param's whole local tensor (no copy), or a new tensor in ``out_dtype`` (default: the first
-        input's dtype).
+        one block is the param's whole local tensor and the result has the output dtype (no copy), or a new tensor
+        in ``out_dtype`` (default: the first input's dtype).
         ``local_blocks=False``: ``fn`` sees only the gathered blocks, and elements of blocks held whole are left as
         they are in ``out``.
         ``wire_dtype``: the dtype pieces travel in (default: the input's), or ``"int8"`` / ``"fp8_e4m3"``.
 
         A collective for distributed params: every rank of a group calls it with the same ``params``."""
+        check_wire_dtype(wire_dtype, "map_blocks")
         params = list(params)
         inputs = [tuple(x) if isinstance(x, list | tuple) else (x,) for x in inputs]
         if len(inputs) != len(params) or (out is not None and len(out) != len(params)):
@@ -526,6 +527,21 @@ class BlockOptimizer(torch.optim.Optimizer):
                         blocks.append(Block(params[k], spec.block_index(s), s, e, shape, vals, True))
                         sinks.append(("routed", key, ri))
         return exchanges, routed_starts
+
+
+WIRE_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_wire_dtype(wire_dtype, where: str) -> None:
+    """None, a floating dtype pieces are cast to, or a quantized format; an integer or bool dtype (a cast that
+    truncates the values: Muon's updates came back zero or pointing elsewhere) is refused."""
+    if wire_dtype is None or wire_dtype in WIRE_FLOAT_DTYPES or wire_dtype in ("int8", "fp8_e4m3"):
+        return
+    raise ValueError(
+        f"{where}: wire_dtype must be None, one of {[str(d) for d in WIRE_FLOAT_DTYPES]}, or 'int8' / 'fp8_e4m3' "
+        f"(block-quantized with a scale), got {wire_dtype!r}"
+        + ("; for 8-bit transport pass the string 'int8'" if wire_dtype in (torch.int8, torch.uint8) else "")
+    )
 
 
 class _Outputs:

@@ -38,6 +38,7 @@ from ragged_optim.kernels.newton_schulz import (
     newton_schulz,
 )
 from ragged_optim.optim.base import full_shape, is_dtensor, local, ns_cost, on_foreach_device, scalar
+from ragged_optim.optim.blocks import check_wire_dtype
 from ragged_optim.optim.optimizer import RaggedOptimizer, check_bool, check_real, check_reals
 from ragged_optim.sharding import BlockSpec, shard_info
 
@@ -311,8 +312,7 @@ class Muon(RaggedOptimizer):
         # Check every constructor value now, the AdamW ones too (no group may use them yet).
         self._validate_group(dict(defaults, use_muon=True))
         self._validate_group({"use_muon": False, **{k: defaults[f"adamw_{k}"] for k in ADAMW_GROUP_KEYS}})
-        if not (wire_dtype is None or isinstance(wire_dtype, torch.dtype) or wire_dtype in ("int8", "fp8_e4m3")):
-            raise ValueError(f"wire_dtype must be None, a torch.dtype, 'int8' or 'fp8_e4m3', got {wire_dtype!r}")
+        check_wire_dtype(wire_dtype, "Muon")
         if ns_matmul not in NS_MATMUL_MODES:
             raise ValueError(f"ns_matmul must be one of {NS_MATMUL_MODES}, got {ns_matmul!r}")
         if foreach not in (None, True, False):
