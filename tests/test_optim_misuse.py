@@ -262,3 +262,17 @@ def test_integer_wire_dtypes_are_refused(dtype):
     opt = Shampoo([w])
     with pytest.raises(ValueError, match="map_blocks: wire_dtype must be"):
         opt.map_blocks(lambda blocks: [b.value for b in blocks], [w], [torch.ones(4, 4)], wire_dtype=dtype)
+
+
+def test_fp16_adamw_half_with_an_eps_that_rounds_to_zero_is_refused():
+    """Muon's AdamW half keeps its state in the param's dtype (as torch.optim.AdamW): on fp16 params the default
+    adamw_eps=1e-10 is 0, and an element with a zero grad stepped by 0/0: NaN params after one step, which the
+    non-finite check (it looks at grads) cannot see."""
+    lin = nn.Linear(4, 4).half()
+    with pytest.raises(ValueError, match=r"is torch.float16 and its AdamW eps=1e-10 is 0 in that dtype.*adamw_eps >="):
+        Muon(muon_param_groups(lin))
+    opt = Muon(muon_param_groups(lin), adamw_eps=1e-4)
+    for p in lin.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    assert all(bool(torch.isfinite(p).all()) for p in lin.parameters())

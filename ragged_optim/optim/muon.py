@@ -453,6 +453,14 @@ class Muon(RaggedOptimizer):
                     f"{self._param_label(gi, i)} has no elements; Muon cannot orthogonalize an empty matrix. "
                     "Leave it out of the optimizer (it has nothing to learn) or give it use_muon=False"
                 )
+            if not group["use_muon"] and p.is_floating_point() and group["eps"] > 0:
+                if torch.tensor(group["eps"], dtype=p.dtype).item() == 0:  # (fp16: below 6e-8 it is 0)
+                    raise ValueError(
+                        f"{self._param_label(gi, i)} is {p.dtype} and its AdamW eps={group['eps']} is 0 in that dtype, "
+                        "so an element whose grad and second moment are 0 would step by 0/0 = NaN (the state is kept "
+                        "in the param's dtype, as torch.optim.AdamW's). Pass adamw_eps >= "
+                        f"{torch.finfo(p.dtype).smallest_normal:g} (or keep the params in float32 with mp_policy)"
+                    )
             ndim = len(full_shape(p))
             if group["use_muon"] and ndim < 2:
                 how = "use_muon=True was requested for it" if explicit else "it was routed to Muon"
