@@ -112,7 +112,7 @@ def _run(model_fn, optimizer_fn, steps, grad_fn, shard_fn=None):
     if shard_fn is not None:
         shard_fn(model)
     opt = optimizer_fn(model)
-    history = []
+    history = [_snapshot(model)]  # the initial weights: entry 0
     for step in range(steps):
         _set_grads(model, step, grad_fn)
         opt.step()
@@ -173,6 +173,11 @@ def assert_sharded_matches_single(
 
     ``model_fn`` must build the same model in every process (seed inside it). The one-process run uses one thread,
     as each rank does: a kernel's result may depend on how many threads split its reduction."""
+    if not (isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1):
+        raise ValueError(f"assert_sharded_matches_single: steps must be an int >= 1 (steps to compare), got {steps!r}")
+    for name, tol in (("rtol", rtol), ("atol", atol)):
+        if not (isinstance(tol, int | float) and not isinstance(tol, bool) and tol >= 0):
+            raise ValueError(f"assert_sharded_matches_single: {name} must be a number >= 0, got {tol!r}")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -190,7 +195,15 @@ def assert_sharded_matches_single(
         timeout_s=timeout_s,
     )[0]
     d = _first_mismatch(sharded, single, rtol, atol)
+    if d is not None and d.step == 0:
+        raise ShardedMismatch(
+            f"the sharded model (world_size={world_size}) starts from other weights than the one-process model: "
+            f"param {d.name!r} {d.shape} differs by {d.max_abs:.3g} before the first step (at index {d.index} "
+            f"sharded {d.sharded:.9g} vs single {d.single:.9g}). model_fn must build the same model in every "
+            "process: seed inside it (torch.manual_seed(0) first thing)"
+        )
     if d is not None:
+        d.step -= 1  # (entry 0 is the initial weights)
         raise ShardedMismatch(
             f"sharded run (world_size={world_size}) differs from the one-process run at step {d.step}, "
             f"param {d.name!r} {d.shape}: max |diff| {d.max_abs:.3g}; at index {d.index} sharded {d.sharded:.9g} vs "

@@ -172,3 +172,14 @@ def test_default_grads_cover_a_zero_dim_param():
     """Before, ``default_grad`` called ``torch.randn(*())`` for a 0-d param and raised ``TypeError: randn() missing 1
     required positional arguments: "size"`` before any optimizer ran."""
     assert_sharded_matches_single(WithScalar, lambda m: torch.optim.AdamW(m.parameters(), lr=0.1), world_size=2)
+
+
+def test_bad_arguments_and_unseeded_models_are_named():
+    """Before: steps=0 (or -5) compared nothing and passed; atol=-1 reported a mismatch "max |diff| 0"; an unseeded
+    model_fn was reported as the optimizer leaving the one-process run "at step 0"."""
+    opt = lambda m: torch.optim.SGD(m.parameters(), lr=0.1)  # noqa: E731
+    for kw in ({"steps": 0}, {"steps": -5}, {"steps": "3"}, {"atol": -1.0}, {"rtol": float("nan")}):
+        with pytest.raises(ValueError, match="assert_sharded_matches_single: (steps|atol|rtol) must be"):
+            assert_sharded_matches_single(make_model, opt, world_size=2, **kw)
+    with pytest.raises(ShardedMismatch, match=r"starts from other weights .* seed inside it"):
+        assert_sharded_matches_single(lambda: nn.Linear(5, 3), opt, world_size=2)
