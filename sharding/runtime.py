@@ -26,12 +26,15 @@ start); on CPU they are async work handles.
 from __future__ import annotations
 
 import enum
+import zlib
 from collections import deque
 
 import torch
+import torch.distributed as dist
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
+from ragged_optim.comm.collectives import all_reduce_flat
 from ragged_optim.sharding.flat_unit import FlatUnit
 from ragged_optim.sharding.streams import CommStreams
 
@@ -186,6 +189,7 @@ class ModuleState:
             s.ctx = ctx
             s.is_root = s is self
             ctx.states.append(s)
+        _check_ranks_shard_alike(ctx.states)
         self.ctx = ctx
         return ctx
 
@@ -321,6 +325,39 @@ class _PostBackward(torch.autograd.Function):
     def backward(ctx, *grads):
         ctx.state.post_backward()
         return (None, *grads)
+
+
+def _check_ranks_shard_alike(states: list[ModuleState]) -> None:
+    """Every rank of a unit's group must have sharded the same params (names, shapes, dtype): a model built
+    differently on one rank made the first forward's all-gathers mismatch, and gloo aborted the process ("op.preamble
+    .length <= op.nbytes ... Is there a distributed collective mismatch"). One all_reduce of a digest per process
+    group, at a root's first forward; on a mismatch the descriptions are gathered and every rank raises the same
+    error, naming the first difference."""
+    by_group: dict[int, tuple] = {}
+    for s in states:
+        for u in s.units:
+            if u.world_size > 1 and u.device.type != "meta" and dist.is_initialized():
+                by_group.setdefault(id(u.group), (u.group, u.device, []))[2].append(u)
+    for group, device, units in by_group.values():
+        desc = [(u.module_name, list(u.layout.names), [list(x) for x in u.layout.shapes], str(u.dtype)) for u in units]
+        digest = zlib.crc32(repr(desc).encode())
+        flags = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
+        all_reduce_flat(flags, group=group, op=dist.ReduceOp.MAX)
+        if int(flags[0]) == -int(flags[1]):
+            continue
+        descs = [None] * dist.get_world_size(group)
+        dist.all_gather_object(descs, desc, group=group)
+        r = next(k for k, d in enumerate(descs) if d != descs[0])
+        a, b = descs[0], descs[r]
+        where = next(
+            (f"unit {i} ({a[i][0]}): params {a[i][1][:4]} with shapes {a[i][2][:4]}, {a[i][3]} on rank 0 but {b[i][1][:4]} "
+             f"with shapes {b[i][2][:4]}, {b[i][3]} on rank {r}" for i in range(min(len(a), len(b))) if a[i] != b[i]),
+            f"rank 0 has {len(a)} units, rank {r} {len(b)}",
+        )  # fmt: skip
+        raise ValueError(
+            f"fully_shard: ranks sharded different models ({where}). Every rank must build the same model (same "
+            "config, same shapes, same dtype) and call fully_shard on the same modules"
+        )
 
 
 def _next_in(order: list, item):

@@ -320,3 +320,23 @@ def test_mixed_precision_casts_forward_inputs_and_outputs_like_fsdp2():
     assert res["inputs_cast"] == (torch.bfloat16, True)
     assert res["output_fp32"] == (torch.float32, True)
     assert isinstance(res["no_input_cast"], str) and "dtype" in res["no_input_cast"]
+
+
+def _other_model_per_rank(rank, world_size):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 12 + rank), nn.ReLU(), nn.Linear(12 + rank, 4))
+    fully_shard(m)
+    try:
+        m(torch.randn(4, 8))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_ranks_that_sharded_different_models_raise_at_the_first_forward():
+    """A model built differently on one rank (a config read per rank): the first forward's all-gathers did not pair
+    up and gloo aborted the process (``op.preamble.length <= op.nbytes. 120 vs 112 ... Is there a distributed
+    collective mismatch``). Now every rank raises the same ValueError naming the first param that differs."""
+    for err in run_on_ranks(_other_model_per_rank, 2, timeout_s=60):
+        assert err is not None and "ranks sharded different models" in err
+        assert "[12, 8]" in err and "[13, 8]" in err and "on rank 1" in err
