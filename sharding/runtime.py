@@ -349,11 +349,13 @@ def _check_ranks_shard_alike(states: list[ModuleState]) -> None:
         dist.all_gather_object(descs, desc, group=group)
         r = next(k for k, d in enumerate(descs) if d != descs[0])
         a, b = descs[0], descs[r]
-        where = next(
-            (f"unit {i} ({a[i][0]}): params {a[i][1][:4]} with shapes {a[i][2][:4]}, {a[i][3]} on rank 0 but {b[i][1][:4]} "
-             f"with shapes {b[i][2][:4]}, {b[i][3]} on rank {r}" for i in range(min(len(a), len(b))) if a[i] != b[i]),
-            f"rank 0 has {len(a)} units, rank {r} {len(b)}",
-        )  # fmt: skip
+        i = next((i for i in range(min(len(a), len(b))) if a[i] != b[i]), None)
+        where = (
+            f"rank 0 has {len(a)} units, rank {r} {len(b)}"
+            if i is None
+            else f"unit {i} ({a[i][0]}): params {a[i][1][:4]} with shapes {a[i][2][:4]}, {a[i][3]} on rank 0 but "
+            f"{b[i][1][:4]} with shapes {b[i][2][:4]}, {b[i][3]} on rank {r}"
+        )
         raise ValueError(
             f"fully_shard: ranks sharded different models ({where}). Every rank must build the same model (same "
             "config, same shapes, same dtype) and call fully_shard on the same modules"
