@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import torch
@@ -75,12 +76,40 @@ def total_grad_norm(params, norm_type: float | str = 2.0) -> torch.Tensor:
         for p in by_group[group]:
             if p.grad is not None and _local(p.grad).numel():
                 part = add(part, p.grad)
-        all_reduce_flat(part, group=group, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM)
+        part = _reduce_checked(part, by_group[group], group, is_inf)
         total = torch.maximum(total, part) if is_inf else total + part
     for p in replicated:
         if p.grad is not None and p.grad.numel():
             total = add(total, p.grad)
     return (total if is_inf else total.pow(1.0 / p_norm)).float()
+
+
+def _reduce_checked(part: torch.Tensor, params: list, group, is_inf: bool) -> torch.Tensor:
+    """All-reduce a group's partial norm together with a digest of the params each rank passed (their count and
+    total full size), in the same collective: ranks that passed different params (a list filtered per rank, e.g.
+    by ``p.grad is not None``) got a "global" norm of a mix, silently; now every rank raises the same error. With
+    SUM, a digest d agrees on every rank iff W * sum(d**2) == sum(d)**2; with MAX, iff max(d) == -max(-d)."""
+    count = float(len(params))
+    size = float(sum(math.prod(_full_shape(p)) for p in params) % 65521)  # (small: its square stays exact)
+    digest = (count, -count, size, -size) if is_inf else (count, count * count, size, size * size)
+    buf = torch.cat([part.reshape(1), torch.tensor(digest, dtype=torch.float64, device=part.device)])
+    all_reduce_flat(buf, group=group, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM)
+    d = buf[1:]
+    world = dist.get_world_size(group)
+    same = (d[0] == -d[1]) & (d[2] == -d[3]) if is_inf else (world * d[1] == d[0] ** 2) & (world * d[3] == d[2] ** 2)
+    if buf.device.type == "cpu":  # (on a GPU, reading it would be a host sync every step: the norm is NaN instead)
+        if not bool(same):
+            raise ValueError(
+                "clip_grad_norm_: the ranks passed different params (another count or total size on some rank); "
+                "pass the same params on every rank, e.g. model.parameters(), not a list filtered per rank by p.grad"
+            )
+        return buf[0]
+    return torch.where(same, buf[0], torch.full_like(buf[0], float("nan")))
+
+
+def _full_shape(p) -> tuple[int, ...]:
+    info = shard_info(p)
+    return tuple(info.shape) if info is not None else tuple(p.shape)  # (a DTensor's shape is the full one)
 
 
 @torch.no_grad()

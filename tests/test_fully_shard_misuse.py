@@ -340,3 +340,24 @@ def test_ranks_that_sharded_different_models_raise_at_the_first_forward():
     for err in run_on_ranks(_other_model_per_rank, 2, timeout_s=60):
         assert err is not None and "ranks sharded different models" in err
         assert "[12, 8]" in err and "[13, 8]" in err and "on rank 1" in err
+
+
+def _clip_other_params_per_rank(rank, world_size):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
+    fully_shard(m)
+    m(torch.randn(4, 16)).sum().backward()
+    ps = list(m.parameters())
+    try:
+        clip_grad_norm_(ps if rank == 0 else ps[:2], 1.0)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_clip_grad_norm_of_other_params_per_rank_is_refused_on_every_rank():
+    """Rank 0 passing 4 params and rank 1 two (a list filtered per rank): the "global" norm summed rank 0's pieces
+    of 4 params with rank 1's of 2, silently, and each rank clipped by it. The params' count and size now travel
+    in the norm's own all-reduce (no extra collective) and every rank raises."""
+    for err in run_on_ranks(_clip_other_params_per_rank, 2, timeout_s=60):
+        assert err is not None and "the ranks passed different params" in err
