@@ -88,6 +88,8 @@ def test_bad_lr_is_refused_in_the_parent(capsys, lr):
     [
         (["--seq-len", "0"], "--seq-len must be >= 1, got 0"),
         (["--timeout", "0"], "--timeout must be a finite number of seconds > 0"),
+        (["--seed", "99999999999999999999999"], "--seed must be in [0, 2**63)"),  # (rank 0 died: OverflowError)
+        (["--seed", "-1"], "--seed must be in [0, 2**63)"),
     ],
 )
 def test_other_ranges_are_refused(capsys, argv, text):
@@ -246,3 +248,24 @@ def test_a_seq_len_longer_than_the_text_is_a_usage_error(capsys):
     """Before: ``train --preset tiny --seq-len 1000000`` ran for minutes with no output (killed at 300 s)."""
     err = _usage_error(capsys, "train", "--preset", "tiny", "--seq-len", "1000000", "--world-size", "2")
     assert "--seq-len 1000000 is longer than the validation text" in err
+
+
+@pytest.mark.parametrize(
+    "argv, text",
+    [
+        (["bench", "muon", "--out", "{tmp}"], "is a folder; pass a file for one benchmark's JSON"),
+        (["bench", "muon", "--out", "/proc/nope/x.json"], "cannot write in '/proc/nope'"),
+        (["bench", "all", "--out", "{tmp}/file"], "bench all writes a folder"),
+    ],
+)
+def test_bench_out_is_checked_before_the_run(capsys, tmp_path, monkeypatch, argv, text):
+    """Before: an unusable --out raised a traceback (IsADirectoryError, FileNotFoundError) after the benchmark had
+    run, minutes later, and with --json nothing was printed: the results were lost."""
+    import ragged_optim.bench.cli as bench_cli
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the benchmark ran before --out was checked")
+
+    monkeypatch.setattr(bench_cli, "run_benchmark", refuse)
+    (tmp_path / "file").write_text("")
+    assert text in _usage_error(capsys, *[a.format(tmp=tmp_path) for a in argv])

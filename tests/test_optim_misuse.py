@@ -276,3 +276,38 @@ def test_fp16_adamw_half_with_an_eps_that_rounds_to_zero_is_refused():
         p.grad = torch.zeros_like(p)
     opt.step()
     assert all(bool(torch.isfinite(p).all()) for p in lin.parameters())
+
+
+def _settings_per_rank(rank, world_size, what):
+    import ragged_optim as ro
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 12), nn.Linear(12, 4))
+    ro.fully_shard(m)
+    lr = 0.02 * (rank + 1) if what == "lr" else 0.02
+    opt = (Muon if what != "adamw8bit" else AdamW8bit)(
+        m.parameters(), lr=lr if what != "adamw8bit" else 0.01 * (rank + 1)
+    )
+    if what == "policy":
+        ro.set_nonfinite_policy(opt, "off" if rank == 0 else "skip")
+    m(torch.randn(4, 8)).sum().backward()
+    before = [ro.full_tensor(p).clone() for p in m.parameters()]
+    try:
+        opt.step()
+    except RuntimeError as e:
+        return str(e), all(torch.equal(ro.full_tensor(p), b) for p, b in zip(m.parameters(), before))
+    return None, None
+
+
+@pytest.mark.parametrize("what", ["lr", "adamw8bit", "policy"])
+def test_ranks_with_other_settings_are_refused_at_the_first_step(what):
+    """An lr (or ns_steps, betas...) computed per rank was never compared: each rank updated its pieces, or the
+    matrices it owns, with its own value, silently (the error text of the block check even promised "the same
+    hyperparameters"). Another set_nonfinite_policy per rank made the ranks run other collectives: a hang until
+    gloo's timeout. The first step's agreement check now covers both; every rank raises, nothing changes."""
+    from ragged_optim.testing import run_on_ranks
+
+    for err, unchanged in run_on_ranks(_settings_per_rank, 2, what, timeout_s=60):
+        assert err is not None and "ranks disagree on the optimizer's settings" in err, err
+        assert ("set_nonfinite_policy: 'off' on rank 0 but 'skip'" if what == "policy" else "['lr'] = ") in err
+        assert unchanged

@@ -18,6 +18,7 @@ import inspect
 import json
 import os
 import sys
+import tempfile
 import time
 
 from ragged_optim.cli import UsageError
@@ -75,6 +76,33 @@ def run_benchmark(
     return module.run(**kw)
 
 
+def _out_problem(out: str, *, folder: bool) -> str | None:
+    """What is wrong with ``--out`` (checked before a run that can take many minutes; before, an unusable path
+    raised after it, and with ``--json`` the results were lost): None when it can be written."""
+    if folder:
+        if os.path.exists(out) and not os.path.isdir(out):
+            return f"--out {out!r}: bench all writes a folder (latest.json, latest.md), and this is a file"
+        target = out if os.path.isdir(out) else os.path.dirname(os.path.abspath(out))
+    else:
+        if os.path.isdir(out):
+            example = os.path.join(out, "x.json")
+            return f"--out {out!r} is a folder; pass a file for one benchmark's JSON (e.g. {example!r})"
+        target = os.path.dirname(os.path.abspath(out))
+    try:  # a file made and removed there: os.access says yes to root anywhere, /proc included
+        os.makedirs(target, exist_ok=True)
+        with tempfile.TemporaryFile(dir=target):
+            pass
+    except OSError as e:
+        return f"--out {out!r}: cannot write in {target!r} ({e.strerror or e})"
+    return None
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def _write_json(path: str, obj) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
@@ -103,6 +131,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         unknown = [f for f in families if f not in FAMILIES]
         if not families or unknown:
             raise UsageError(f"--families takes a comma-separated list of {list(FAMILIES)}, got {args.families!r}")
+    if args.out is not None:
+        if problem := _out_problem(args.out, folder=args.name == "all"):
+            raise UsageError(problem)
+    if args.device != "cpu" and args.device.startswith("cuda") and not _cuda_available():
+        raise UsageError(f"--device {args.device}: no CUDA device here (torch.cuda.is_available() is False)")
     names = available() if args.name == "all" else [args.name]
     if args.name != "all" and args.name not in available():
         print(f"benchmark {args.name!r} is not available here; available: {', '.join(available())}", file=sys.stderr)

@@ -188,9 +188,32 @@ def _check_same_params(opt, entries, groups) -> None:
         _check_same_params_in(opt, entries, group)
 
 
+def _settings(opt) -> list[tuple]:
+    """Every group's hyperparameters and the non-finite policy: a rank with another lr or ns_steps computed its
+    pieces (or its owned matrices) with them, silently; a rank with another policy ran other collectives (a hang)."""
+    groups = [
+        (gi, sorted((k, _comparable(v)) for k, v in g.items() if k not in ("params", "param_names")))
+        for gi, g in enumerate(opt.param_groups)
+    ]
+    return [("nonfinite", opt.__dict__.get("nonfinite", "skip")), *groups]
+
+
+def _comparable(v) -> str:
+    """A hyperparameter as ranks compare it: by value, never by what differs between processes (a tensor's device,
+    an object's address)."""
+    if isinstance(v, torch.Tensor):
+        return repr(v.item()) if v.numel() == 1 else f"tensor{tuple(v.shape)} {v.dtype}"
+    if isinstance(v, list | tuple):
+        return f"({', '.join(_comparable(x) for x in v)})"
+    if callable(v) and not isinstance(v, type):
+        return f"<{getattr(v, '__qualname__', type(v).__name__)}>"
+    text = repr(v)
+    return f"<{type(v).__name__}>" if " at 0x" in text else text
+
+
 def _check_same_params_in(opt, entries, group) -> None:
-    desc = _describe(opt, entries)
-    h = torch.tensor([zlib.crc32(repr(desc).encode()), len(desc)], dtype=torch.int64, device=_device(entries))
+    desc = (_describe(opt, entries), _settings(opt))
+    h = torch.tensor([zlib.crc32(repr(desc).encode()), len(desc[0])], dtype=torch.int64, device=_device(entries))
     world = dist.get_world_size(group)
     out = [torch.zeros_like(h) for _ in range(world)]
     dist.all_gather(out, h, group=group)
@@ -201,7 +224,21 @@ def _check_same_params_in(opt, entries, group) -> None:
     cls = type(opt).__name__
     r = next(k for k in range(world) if descs[k] != descs[0])
     ranks = dist.get_process_group_ranks(group)
-    a, b = descs[0], descs[r]
+    if descs[r][0] == descs[0][0]:  # the same params: other settings
+        a, b = dict(descs[0][1]), dict(descs[r][1])
+        key = next(k for k in a if a[k] != b.get(k))
+        if key == "nonfinite":
+            what = f"set_nonfinite_policy: {a[key]!r} on rank {ranks[0]} but {b[key]!r} on rank {ranks[r]}"
+        else:
+            da, db = dict(a[key]), dict(b.get(key, ()))
+            k = next(k for k in sorted(set(da) | set(db)) if da.get(k) != db.get(k))
+            what = f"param_groups[{key}][{k!r}] = {da.get(k)} on rank {ranks[0]} but {db.get(k)} on rank {ranks[r]}"
+        raise RuntimeError(
+            f"{cls}.step(): ranks disagree on the optimizer's settings ({what}). Every rank must build the optimizer "
+            "with the same hyperparameters and policy (a value computed per rank, e.g. from the rank or a local "
+            "file, makes them differ); nothing was updated"
+        )
+    a, b = descs[0][0], descs[r][0]
     j = next((k for k in range(min(len(a), len(b))) if a[k] != b[k]), min(len(a), len(b)))
     where = (
         f"param {j}: group {a[j][0]}, shape {a[j][1]}, {a[j][2]} on rank {ranks[0]} but group {b[j][0]}, shape "

@@ -89,6 +89,8 @@ class TrainConfig:
             raise ConfigError("--resume needs --checkpoint-dir")
         if self.checkpoint_every < 1:
             raise ConfigError(f"--checkpoint-every must be >= 1, got {self.checkpoint_every}")
+        if not 0 <= self.seed < 2**63:  # (torch.manual_seed's range: beyond it rank 0 died with an OverflowError)
+            raise ConfigError(f"--seed must be in [0, 2**63), got {self.seed}")
         if self.keep_checkpoints < 1:  # 0 would delete each checkpoint right after writing it
             raise ConfigError(f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
         for option, folder in (("--checkpoint-dir", self.checkpoint_dir), ("--out", self.out)):
