@@ -8,6 +8,7 @@ tensors and after the last one.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 
 
@@ -29,6 +30,13 @@ class BlockSpec:
     row_len: int = field(default=0, compare=False)
 
     def __post_init__(self):
+        for name in ("block", "period", "row_len"):
+            v = getattr(self, name)
+            if not isinstance(v, numbers.Integral) or isinstance(v, bool):  # (a float failed deep in the planner)
+                raise TypeError(f"BlockSpec {name} must be an int, got {v!r} of type {type(v).__name__}")
+            object.__setattr__(self, name, int(v))  # (a numpy integer: a plain int, as hashing and repr expect)
+        if not isinstance(self.owner_computed, bool):  # ("no" was taken for True)
+            raise TypeError(f"BlockSpec owner_computed must be True or False, got {self.owner_computed!r}")
         if self.block < 1 or self.period < 1:
             raise ValueError(f"BlockSpec sizes must be >= 1, got block={self.block}, period={self.period}")
         if self.row_len < 0:

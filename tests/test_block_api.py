@@ -228,6 +228,21 @@ def test_bad_input_is_refused():
         opt.map_blocks(lambda b: [x.value for x in b], [w], [torch.zeros(5)])
     with pytest.raises(ValueError, match="fn returned 0 results for 2 blocks"):
         opt.map_blocks(lambda b: [], [w], [torch.zeros(4, 3)])
+    # before: "object of type 'NoneType' has no len()", "'list' object has no attribute 'numel'" and "The size of
+    # tensor a (3) must match the size of tensor b (12)", none naming what was wrong
+    with pytest.raises(TypeError, match="fn must return a list of tensors, one per block, got NoneType"):
+        opt.map_blocks(lambda b: None, [w], [torch.zeros(4, 3)])
+    with pytest.raises(TypeError, match="fn must return a list of tensors, one per block, got a list holding"):
+        opt.map_blocks(lambda b: [[x.value] for x in b], [w], [torch.zeros(4, 3)])
+    with pytest.raises(ValueError, match=r"out\[0\] is 3 elements for a param whose local tensor has 12"):
+        opt.map_blocks(lambda b: [x.value for x in b], [w], [torch.zeros(4, 3)], out=[torch.zeros(3)])
+    for kw in (
+        {"block": "4", "period": 8},
+        {"block": 4.0, "period": 8},
+        {"block": 4, "period": 8, "owner_computed": "no"},
+    ):
+        with pytest.raises(TypeError, match="BlockSpec (block|owner_computed) must be"):  # (4.0 failed in the planner)
+            ro.BlockSpec(**kw)
     with pytest.raises(ValueError, match="op must be one of"):
         ro.all_reduce_over_shards(torch.zeros(1), w, op="avg")
 

@@ -439,6 +439,12 @@ class BlockOptimizer(torch.optim.Optimizer):
                     f"map_blocks: an input has {[t.numel() for t in xs]} elements for a param whose local tensor "
                     f"has {n}: inputs must be shaped like local(p)"
                 )
+        for k, o in enumerate(out or ()):  # (before: a raw size mismatch from deep inside, naming nothing)
+            n = local(params[k]).numel()
+            if not isinstance(o, Tensor) or o.numel() != n:
+                got = f"{o.numel()} elements" if isinstance(o, Tensor) else f"a {type(o).__name__}"
+                raise ValueError(f"map_blocks: out[{k}] is {got} for a param whose local tensor has {n}: out must be "
+                                 "shaped like local(p)")  # fmt: skip
         flats = [[t.reshape(-1) for t in xs] for xs in inputs]
         outs = _Outputs(params, flats, out, out_dtype)
         blocks: list[Block] = []
@@ -460,6 +466,9 @@ class BlockOptimizer(torch.optim.Optimizer):
                 for t, f in zip(xs, fs):
                     if not _shares_storage(t, f):
                         t.copy_(f.view(t.shape))
+        if not isinstance(results, list | tuple) or not all(isinstance(r, Tensor) for r in results):
+            what = type(results).__name__ if not isinstance(results, list | tuple) else "a list holding non-tensors"
+            raise TypeError(f"map_blocks: fn must return a list of tensors, one per block, got {what}")
         if len(results) != len(blocks):
             raise ValueError(f"map_blocks: fn returned {len(results)} results for {len(blocks)} blocks")
         owned: dict[int, dict[int, Tensor]] = {key: {} for key in exchanges}
