@@ -37,6 +37,10 @@ class RaggedFSDPModule:
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """False: backward accumulates grads locally (no reduce-scatter) until it is set back to True."""
+        if not isinstance(requires_gradient_sync, bool):  # ("False", a string, was taken for True)
+            raise ValueError(
+                f"set_requires_gradient_sync(requires_gradient_sync={requires_gradient_sync!r}): takes True or False"
+            )
         for unit in units_of(self) if recurse else state_of(self).units:
             unit.requires_grad_sync = requires_gradient_sync
 

@@ -28,10 +28,11 @@ def match_layout(model: nn.Module, like: nn.Module) -> None:
         )  # fmt: skip
         if not same:
             raise ValueError(
-                f"match_layout: unit of {a.module_name} (params {list(a.layout.names)[:3]}, {a.dtype}, world size "
-                f"{a.world_size}) differs from the matching unit of {b.module_name} (params "
-                f"{list(b.layout.names)[:3]}, {b.dtype}, world size {b.world_size}): the two models must have the "
-                "same structure, dtypes and fully_shard calls"
+                f"match_layout: unit of {a.module_name} (params {list(a.layout.names)[:3]} with shapes "
+                f"{[tuple(x) for x in a.layout.shapes][:3]}, {a.dtype}, world size {a.world_size}) differs from the "
+                f"matching unit of {b.module_name} (params {list(b.layout.names)[:3]} with shapes "
+                f"{[tuple(x) for x in b.layout.shapes][:3]}, {b.dtype}, world size {b.world_size}): the two models "
+                "must have the same structure, shapes, dtypes and fully_shard calls"
             )
     for a, b in zip(mine, theirs):
         a.adopt_layout(b.layout, b.specs, b.allow_split)

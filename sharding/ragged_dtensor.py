@@ -253,7 +253,8 @@ class RaggedDTensor(DTensor):
             "a ragged-sharded state-dict tensor cannot be pickled (torch.save): save state dicts with "
             "torch.distributed.checkpoint (dcp.save), or get full tensors with "
             "get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)) / "
-            "ragged_optim.get_full_state_dict"
+            "ragged_optim.get_full_state_dict(model) for a model, ragged_optim.get_full_optimizer_state_dict(model, "
+            "opt) for an optimizer's state (ragged_optim.save_checkpoint saves both)"
         )
 
 

@@ -333,6 +333,8 @@ def _install_optimizer_hook() -> None:
 def get_full_state_dict(model: nn.Module, *, cpu: bool = True) -> dict[str, torch.Tensor]:
     """``model.state_dict()`` with every sharded param replaced by its full tensor (a collective: one all-gather
     per param; call it on every rank). The result loads into the unsharded model with ``load_state_dict``."""
+    if not isinstance(cpu, bool):
+        raise ValueError(f"get_full_state_dict(cpu={cpu!r}): takes True or False")
     out = {}
     for name, t in model.state_dict().items():
         if isinstance(t, torch.Tensor):

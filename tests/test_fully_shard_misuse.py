@@ -361,3 +361,33 @@ def test_clip_grad_norm_of_other_params_per_rank_is_refused_on_every_rank():
     in the norm's own all-reduce (no extra collective) and every rank raises."""
     for err in run_on_ranks(_clip_other_params_per_rank, 2, timeout_s=60):
         assert err is not None and "the ranks passed different params" in err
+
+
+def _flags_and_twins(rank, world_size):
+    import ragged_optim as ro
+
+    m = Net()
+    fully_shard(m)
+    out = {}
+    for name, call in (("sync", lambda: m.set_requires_gradient_sync("False")),
+                       ("cpu", lambda: ro.get_full_state_dict(m, cpu="no"))):  # fmt: skip
+        try:
+            call()
+        except ValueError as e:
+            out[name] = str(e)
+    other = nn.Sequential(nn.Linear(8, 9), nn.Linear(9, 4))
+    fully_shard(other)
+    try:
+        ro.match_layout(other, m)
+    except ValueError as e:
+        out["twin"] = str(e)
+    return out
+
+
+def test_flags_take_bools_and_match_layout_names_the_shapes():
+    """Before: set_requires_gradient_sync("False") and get_full_state_dict(cpu="no") took the strings for True
+    (FSDP2 does not check either); match_layout's refusal described both units alike, leaving out the shapes that
+    differ."""
+    out = run_on_ranks(_flags_and_twins, 2, timeout_s=60)[0]
+    assert "takes True or False" in out["sync"] and "takes True or False" in out["cpu"]
+    assert "(9, 8)" in out["twin"] and "(8, 8)" in out["twin"]
