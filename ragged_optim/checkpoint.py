@@ -119,6 +119,31 @@ def _gather_objects(obj) -> list:
     return out
 
 
+def _check_arguments(what: str, model, optimizers) -> tuple:
+    """``(path, model, optimizers)`` in that order, of those types (an optimizer passed as the model failed with
+    ``'Muon' object has no attribute 'named_parameters'``); returns the optimizers as a tuple."""
+    if isinstance(optimizers, torch.optim.Optimizer):
+        optimizers = (optimizers,)
+    if not isinstance(model, nn.Module):
+        swapped = " (the arguments are (path, model, optimizers))" if isinstance(model, torch.optim.Optimizer) else ""
+        raise TypeError(f"{what}: model must be an nn.Module, got a {type(model).__name__}{swapped}")
+    optimizers = tuple(optimizers)
+    bad = next((o for o in optimizers if not isinstance(o, torch.optim.Optimizer)), None)
+    if bad is not None:
+        raise TypeError(
+            f"{what}: optimizers must be torch.optim.Optimizer objects (one, or a list of them), got a "
+            f"{type(bad).__name__}"
+        )
+    return optimizers
+
+
+def _as_path(path, what: str) -> str:
+    try:
+        return os.fsdecode(os.fspath(path))  # (a bytes path too)
+    except TypeError:
+        raise TypeError(f"{what}: path must be a folder path (str or os.PathLike), got {path!r}") from None
+
+
 def _same_path_everywhere(path: str, what: str) -> None:
     """Every rank must name the same folder (a path built per rank, e.g. from a timestamp, left rank 0's data in one
     folder marked complete and the others' in another; a load mixed checkpoints): a CheckpointError on every rank
@@ -367,9 +392,8 @@ def save_checkpoint(
     rank and leaves any older checkpoint at ``path`` as it was."""
     import torch.distributed.checkpoint as dcp
 
-    path = os.fsdecode(os.fspath(path))  # (a bytes path too)
-    if isinstance(optimizers, torch.optim.Optimizer):
-        optimizers = (optimizers,)
+    optimizers = _check_arguments("save_checkpoint", model, optimizers)
+    path = _as_path(path, "save_checkpoint")
     _same_path_everywhere(path, "save_checkpoint")
     token = _broadcast_obj(uuid.uuid4().hex[:12] if _rank() == 0 else None)
     tmp = f"{path}.tmp-{token}"
@@ -701,9 +725,8 @@ def load_checkpoint(
 
     from ragged_optim.optim.blocks import lock_layouts
 
-    path = os.fsdecode(os.fspath(path))  # (a bytes path too)
-    if isinstance(optimizers, torch.optim.Optimizer):
-        optimizers = (optimizers,)
+    optimizers = _check_arguments("load_checkpoint", model, optimizers)
+    path = _as_path(path, "load_checkpoint")
     _same_path_everywhere(path, "load_checkpoint")
     try:  # each rank reads the folder itself (it may be node-local): every rank raises if one cannot
         path, torch_ckpt, meta, stored, problem = *_open(path), None

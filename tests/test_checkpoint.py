@@ -754,3 +754,17 @@ def test_zero_dim_param_state_survives_round_trips_and_reshards(tmp_path):
     assert full[0]["state"][0]["exp_avg"].shape == ()  # the consolidated export: the param's own (full) shape
     got = run_on_ranks(_scalar_run, 3, path, "resume")[0]
     assert_matches(got, want)
+
+
+def test_arguments_of_the_wrong_kind_are_named(tmp_path):
+    """Before: ``'SGD' object has no attribute 'named_parameters'`` (arguments swapped), ``'Linear' object has no
+    attribute 'param_groups'``, ``expected str, bytes or os.PathLike object, not NoneType``."""
+    m = nn.Linear(3, 3)
+    o = torch.optim.SGD(m.parameters(), lr=0.1)
+    for call in (save_checkpoint, load_checkpoint):
+        with pytest.raises(TypeError, match=r"model must be an nn.Module, got a SGD \(the arguments are"):
+            call(str(tmp_path / "c"), o, [m])
+        with pytest.raises(TypeError, match="optimizers must be torch.optim.Optimizer objects"):
+            call(str(tmp_path / "c"), m, [m])
+        with pytest.raises(TypeError, match="path must be a folder path"):
+            call(None, m, [o])
