@@ -122,7 +122,8 @@ def test_unsigned_code_is_zero_only_for_zero(values, block_size):
 )
 def test_fused_step_v_code_is_zero_only_when_v_is_zero(exps, zero_every, block_size):
     """Through the fused step, three steps from zero state: after each, an element's v code is 0 exactly where its
-    fp32 v of that step (``sqrt(v)`` decoded, squared, times b2, plus (1 - b2) g**2: the kernel's operations) is 0."""
+    fp32 v of that step (``sqrt(v)`` decoded, squared, times b2, plus ((1 - b2) g) g: the kernel's operations, in
+    its order) is 0."""
     n = len(exps)
     g1 = torch.tensor([10.0**e for e in exps], dtype=torch.float32)
     g1[::zero_every] = 0.0
@@ -130,7 +131,7 @@ def test_fused_step_v_code_is_zero_only_when_v_is_zero(exps, zero_every, block_s
     p = torch.zeros(n)
     for t, g in enumerate((g1, torch.flip(g1, [0]) * 0.5, torch.zeros(n)), start=1):
         r = dequantize_blockwise(s["v_codes"], s["v_scales"], block_size, "dynamic_unsigned")
-        v = (r * r) * 0.95 + (g * g) * 0.05
+        v = (r * r) * 0.95 + (g * 0.05) * g
         adamw8bit_step(p, g, s["m_codes"], s["m_scales"], s["v_codes"], s["v_scales"], step=t, lr=1e-3,
                        beta2=0.95, block_size=block_size)  # fmt: skip
         assert torch.equal(s["v_codes"] == 0, v == 0), t

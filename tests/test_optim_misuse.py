@@ -276,6 +276,8 @@ def test_fp16_adamw_half_with_an_eps_that_rounds_to_zero_is_refused():
         p.grad = torch.zeros_like(p)
     opt.step()
     assert all(bool(torch.isfinite(p).all()) for p in lin.parameters())
+    with pytest.raises(ValueError, match=r"is torch.float16 and its AdamW eps=1e-08 is 0 in that dtype.*eps >="):
+        AdamW8bit(lin.parameters(), eps=1e-8)  # its small params keep fp16 state too
 
 
 def _settings_per_rank(rank, world_size, what):

@@ -52,7 +52,7 @@ from ragged_optim.kernels.adamw8bit_ref import FLT_MAX, ieee_sqrt_
 from ragged_optim.optim.base import full_shape, is_dtensor, local, local_ranges, process_group
 from ragged_optim.optim.blocks import local_range
 from ragged_optim.optim.muon import adamw_group_update_
-from ragged_optim.optim.optimizer import RaggedOptimizer, check_int, check_real, check_reals
+from ragged_optim.optim.optimizer import RaggedOptimizer, check_eps_in_dtype, check_int, check_real, check_reals
 from ragged_optim.sharding import BlockSpec, shard_info
 
 __all__ = ["AdamW8bit", "DEFAULT_QMAPS", "STATE_KEYS_8BIT"]
@@ -210,6 +210,8 @@ class AdamW8bit(RaggedOptimizer):
                 f"{what()} is {p.dtype}; params with 8-bit state must be one of {PARAM_DTYPES} (or raise "
                 f"min_8bit_size above {self._numel(p)} so that it keeps full-precision state)"
             )
+        if not self._is_8bit(p, group):  # its full-precision state is in its dtype
+            check_eps_in_dtype(what(), p, group["eps"], "eps")
         if is_dtensor(p):
             from ragged_optim.sharding.owner_routes import dtensor_local_ranges
 

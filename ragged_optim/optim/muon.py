@@ -39,7 +39,7 @@ from ragged_optim.kernels.newton_schulz import (
 )
 from ragged_optim.optim.base import full_shape, is_dtensor, local, ns_cost, on_foreach_device, scalar
 from ragged_optim.optim.blocks import check_wire_dtype
-from ragged_optim.optim.optimizer import RaggedOptimizer, check_bool, check_real, check_reals
+from ragged_optim.optim.optimizer import RaggedOptimizer, check_bool, check_eps_in_dtype, check_real, check_reals
 from ragged_optim.sharding import BlockSpec, shard_info
 
 __all__ = ["Muon", "MuonItem", "adamw_update_", "adjust_lr", "BF16_NS_REL_TOL"]
@@ -453,14 +453,8 @@ class Muon(RaggedOptimizer):
                     f"{self._param_label(gi, i)} has no elements; Muon cannot orthogonalize an empty matrix. "
                     "Leave it out of the optimizer (it has nothing to learn) or give it use_muon=False"
                 )
-            if not group["use_muon"] and p.is_floating_point() and group["eps"] > 0:
-                if torch.tensor(group["eps"], dtype=p.dtype).item() == 0:  # (fp16: below 6e-8 it is 0)
-                    raise ValueError(
-                        f"{self._param_label(gi, i)} is {p.dtype} and its AdamW eps={group['eps']} is 0 in that dtype, "
-                        "so an element whose grad and second moment are 0 would step by 0/0 = NaN (the state is kept "
-                        "in the param's dtype, as torch.optim.AdamW's). Pass adamw_eps >= "
-                        f"{torch.finfo(p.dtype).smallest_normal:g} (or keep the params in float32 with mp_policy)"
-                    )
+            if not group["use_muon"]:
+                check_eps_in_dtype(self._param_label(gi, i), p, group["eps"], "adamw_eps")
             ndim = len(full_shape(p))
             if group["use_muon"] and ndim < 2:
                 how = "use_muon=True was requested for it" if explicit else "it was routed to Muon"

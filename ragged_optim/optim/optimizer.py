@@ -66,6 +66,18 @@ def check_bool(name: str, value: Any) -> bool:
     raise TypeError(f"{name} must be True or False, got {_shown(value)}")
 
 
+def check_eps_in_dtype(label: str, p: torch.Tensor, eps: float, name: str) -> None:
+    """An AdamW eps kept in ``p``'s dtype (state in the param's dtype, as torch.optim.AdamW's) must not be 0 there:
+    in fp16, 1e-8 and torch's default 1e-10 are, and an element whose grad and second moment are 0 then steps by
+    0/0 = NaN, which the non-finite check (it reads grads) cannot see."""
+    if p.is_floating_point() and eps > 0 and torch.tensor(eps, dtype=p.dtype).item() == 0:
+        raise ValueError(
+            f"{label} is {p.dtype} and its AdamW eps={eps} is 0 in that dtype, so an element whose grad and second "
+            f"moment are 0 would step by 0/0 = NaN (the state is kept in the param's dtype, as torch.optim.AdamW's). "
+            f"Pass {name} >= {torch.finfo(p.dtype).smallest_normal:g} (or keep the params in float32 with mp_policy)"
+        )
+
+
 # torch optimizers' flags that change the update; accepted as group keys by torch (any key is), ignored by ours
 _UNSUPPORTED_FLAGS = ("maximize", "amsgrad")
 
