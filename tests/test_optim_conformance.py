@@ -178,7 +178,7 @@ def test_adamw_paths_on_low_precision_params_equal_torchs_single_tensor_adamw(dt
     """Muon's AdamW half and AdamW8bit's small params (both foreach by default) == torch.optim.AdamW(foreach=False),
     params and state bit for bit. Before: on a CPU torch's foreach ops rounded eps, beta2 and the decay factor to
     bf16/fp16 first (7-16 of 64 elements of exp_avg_sq off per step)."""
-    kw = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1)  # (1e-8 is 0 in fp16: refused)
+    kw = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
     def run(make):
         p = nn.Parameter(torch.randn(64, generator=torch.Generator().manual_seed(0)).to(dtype))

@@ -4,6 +4,7 @@ another class's state dict, wrong-type hyperparameters, misspelt muon_param_grou
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -264,20 +265,27 @@ def test_integer_wire_dtypes_are_refused(dtype):
         opt.map_blocks(lambda blocks: [b.value for b in blocks], [w], [torch.ones(4, 4)], wire_dtype=dtype)
 
 
-def test_fp16_adamw_half_with_an_eps_that_rounds_to_zero_is_refused():
-    """Muon's AdamW half keeps its state in the param's dtype (as torch.optim.AdamW): on fp16 params the default
-    adamw_eps=1e-10 is 0, and an element with a zero grad stepped by 0/0: NaN params after one step, which the
-    non-finite check (it looks at grads) cannot see."""
+def test_fp16_adamw_state_with_an_eps_that_rounds_to_zero_warns():
+    """Muon's AdamW half and AdamW8bit's small params keep their state in the param's dtype, as torch.optim.AdamW
+    does (and match its arithmetic bit for bit): on fp16 params an eps of 1e-8 or 1e-10 (the defaults) is 0, and an
+    element with a zero grad steps by 0/0 = NaN, which the non-finite check (it looks at grads) cannot see. Before,
+    nothing said so; now the constructor warns, naming the param and the eps to pass."""
     lin = nn.Linear(4, 4).half()
-    with pytest.raises(ValueError, match=r"is torch.float16 and its AdamW eps=1e-10 is 0 in that dtype.*adamw_eps >="):
-        Muon(muon_param_groups(lin))
-    opt = Muon(muon_param_groups(lin), adamw_eps=1e-4)
+    for make, name in (
+        (lambda: Muon(muon_param_groups(lin)), "adamw_eps"),
+        (lambda: AdamW8bit(lin.parameters()), "eps"),
+    ):
+        with pytest.warns(
+            UserWarning, match=rf"is torch.float16 and its AdamW eps=1e-(10|08) is 0 in that dtype.*{name} >="
+        ):
+            make()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt = Muon(muon_param_groups(lin), adamw_eps=1e-4)  # no warning
     for p in lin.parameters():
         p.grad = torch.zeros_like(p)
     opt.step()
     assert all(bool(torch.isfinite(p).all()) for p in lin.parameters())
-    with pytest.raises(ValueError, match=r"is torch.float16 and its AdamW eps=1e-08 is 0 in that dtype.*eps >="):
-        AdamW8bit(lin.parameters(), eps=1e-8)  # its small params keep fp16 state too
 
 
 def _settings_per_rank(rank, world_size, what):

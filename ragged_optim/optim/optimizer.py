@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -67,14 +68,17 @@ def check_bool(name: str, value: Any) -> bool:
 
 
 def check_eps_in_dtype(label: str, p: torch.Tensor, eps: float, name: str) -> None:
-    """An AdamW eps kept in ``p``'s dtype (state in the param's dtype, as torch.optim.AdamW's) must not be 0 there:
-    in fp16, 1e-8 and torch's default 1e-10 are, and an element whose grad and second moment are 0 then steps by
-    0/0 = NaN, which the non-finite check (it reads grads) cannot see."""
+    """Warn when an AdamW eps kept in ``p``'s dtype (state in the param's dtype, as torch.optim.AdamW's, whose
+    arithmetic ours matches bit for bit) is 0 there: in fp16, 1e-8 (the default) and 1e-10 are, and an element whose
+    grad and second moment are 0 then steps by 0/0 = NaN (as with torch.optim.AdamW), which the non-finite check
+    (it reads grads) cannot see. A warning, not an error: the defaults are torch's."""
     if p.is_floating_point() and eps > 0 and torch.tensor(eps, dtype=p.dtype).item() == 0:
-        raise ValueError(
-            f"{label} is {p.dtype} and its AdamW eps={eps} is 0 in that dtype, so an element whose grad and second "
-            f"moment are 0 would step by 0/0 = NaN (the state is kept in the param's dtype, as torch.optim.AdamW's). "
-            f"Pass {name} >= {torch.finfo(p.dtype).smallest_normal:g} (or keep the params in float32 with mp_policy)"
+        warnings.warn(
+            f"{label} is {p.dtype} and its AdamW eps={eps} is 0 in that dtype: an element whose grad and second "
+            f"moment are 0 will step by 0/0 = NaN (the state is kept in the param's dtype, as torch.optim.AdamW's). "
+            f"Pass {name} >= {torch.finfo(p.dtype).smallest_normal:g}, or keep the params in float32 with mp_policy",
+            UserWarning,
+            stacklevel=4,
         )
 
 
