@@ -9,6 +9,7 @@ buffer that one reduce-scatter sums into the sharded grad buffer. No per-param c
 from __future__ import annotations
 
 import math
+import warnings
 import weakref
 
 import torch
@@ -364,6 +365,13 @@ class FlatUnit:
                 try:
                     torch.utils.swap_tensors(sp, new_sp)  # (swaps the objects' __dict__ too: put ours back)
                 except RuntimeError:  # a weak reference to it, which swapping would break: a new object
+                    warnings.warn(
+                        f"to_empty: {self._label(i)} is held by a weak reference, so it could not be kept as the same "
+                        "Parameter object: an optimizer built before to_empty does not hold the new one (build it "
+                        "after to_empty, from model.parameters())",
+                        RuntimeWarning,
+                        stacklevel=4,
+                    )
                     self.sharded_params[i] = sp = new_sp
                 sp.__dict__.update(attrs)
             if self.sharded_grad is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch.distributed as dist
 from torch import nn
 
 from ragged_optim.sharding.fully_shard import units_of
@@ -23,8 +24,8 @@ def match_layout(model: nn.Module, like: nn.Module) -> None:
             "both with the same fully_shard calls (the same modules, and the same params frozen)"
         )
     for a, b in zip(mine, theirs):
-        same = (a.layout.names, a.layout.shapes, a.dtype, a.world_size) == (
-            b.layout.names, b.layout.shapes, b.dtype, b.world_size
+        same = (a.layout.names, a.layout.shapes, a.dtype, a.world_size, _ranks(a)) == (
+            b.layout.names, b.layout.shapes, b.dtype, b.world_size, _ranks(b)
         )  # fmt: skip
         if not same:
             raise ValueError(
@@ -32,7 +33,16 @@ def match_layout(model: nn.Module, like: nn.Module) -> None:
                 f"{[tuple(x) for x in a.layout.shapes][:3]}, {a.dtype}, world size {a.world_size}) differs from the "
                 f"matching unit of {b.module_name} (params {list(b.layout.names)[:3]} with shapes "
                 f"{[tuple(x) for x in b.layout.shapes][:3]}, {b.dtype}, world size {b.world_size}): the two models "
-                "must have the same structure, shapes, dtypes and fully_shard calls"
+                "must have the same structure, shapes, dtypes and fully_shard calls, on the same mesh (shard group "
+                f"ranks {_ranks(a)[0]} vs {_ranks(b)[0]})"
             )
     for a, b in zip(mine, theirs):
         a.adopt_layout(b.layout, b.specs, b.allow_split)
+
+
+def _ranks(unit) -> tuple:
+    """The global ranks of the unit's shard group and replica group: twins on other meshes hold other elements."""
+    groups = (unit.group, getattr(unit, "replicate_group", None))
+    if not dist.is_initialized():
+        return ((), ())
+    return tuple(tuple(dist.get_process_group_ranks(g)) if g is not None else () for g in groups)

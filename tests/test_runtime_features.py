@@ -1,6 +1,8 @@
 """Runtime features a real job relies on: meta-device init, frozen params, mixed-precision reduction,
 torch.compile of sharded blocks. Each test failed on main for the reason its docstring gives."""
 
+import os
+
 import pytest
 import torch
 from fsdp_models import Awkward, batch, local_rows, loss_fn, make_model, shard
@@ -456,3 +458,69 @@ def test_match_layout_pairs_an_ema_model_with_its_student(opt_name):
     assert max_abs_gap(ema, ema_one) <= allowed(max_abs_gap(student, student_one), magnitude(ema_one))
     unmatched = run_on_ranks(_ema_run, 3, opt_name, False)[0]
     assert isinstance(unmatched, str) and "must match the size" in unmatched  # what it fixes
+
+
+def _twin_on_another_mesh(rank, world_size):
+    from torch.distributed.device_mesh import DeviceMesh
+
+    import ragged_optim as ro
+
+    a = DeviceMesh("cpu", torch.tensor([[0, 1], [2, 3]]), mesh_dim_names=("replicate", "shard"))
+    b = DeviceMesh("cpu", torch.tensor([[0, 2], [1, 3]]), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    m, ema = nn.Sequential(nn.Linear(16, 32, bias=False)), nn.Sequential(nn.Linear(16, 32, bias=False))
+    fully_shard(m, mesh=a)
+    fully_shard(ema, mesh=b)
+    try:
+        ro.match_layout(ema, m)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_match_layout_refuses_a_twin_on_another_mesh():
+    """Twins whose shard groups hold other ranks (the transposed 2x2 mesh) were matched by world size alone: the
+    pieces then held other elements, and an EMA update mixed them (0.47 off where it must be exact)."""
+    for err in run_on_ranks(_twin_on_another_mesh, 4, timeout_s=90):
+        assert err is not None and "on the same mesh (shard group ranks" in err
+
+
+def _weakly_held_param(rank, world_size):
+    import warnings
+
+    from torch.utils.weak import WeakIdKeyDictionary
+
+    with torch.device("meta"):
+        model = nn.Linear(4, 4)
+    fully_shard(model)
+    registry = WeakIdKeyDictionary({p: True for p in model.parameters()})  # (a param registry, as tools keep)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.to_empty(device="cpu")
+    del registry
+    return [str(w.message) for w in caught if "weak reference" in str(w.message)]
+
+
+def test_to_empty_says_when_it_cannot_keep_a_param_object():
+    """swap_tensors refuses a param held by a weak reference; to_empty then makes a new Parameter, and an optimizer
+    built before it silently updated the old one. It now warns, naming the param."""
+    msgs = run_on_ranks(_weakly_held_param, 2, timeout_s=60)[0]
+    assert msgs and "an optimizer built before to_empty does not hold the new one" in msgs[0]
+
+
+def test_settings_compare_alike_in_every_process():
+    """The first step compares the ranks' hyperparameters by their text: a set (a user tag) printed in hash order,
+    which differs between processes (torchrun's ranks), so identical settings were refused."""
+    import subprocess
+    import sys
+
+    code = (
+        "from ragged_optim.optim.nonfinite import _comparable; "
+        "print(_comparable({'tags': {'decay', 'muon', 'hidden', 'layer0', 'abc', 'xyz'}, 'k': frozenset('abcde')}))"
+    )
+    outs = {
+        subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": seed}, capture_output=True,
+                       text=True, check=True).stdout
+        for seed in ("1", "2", "3", "4")
+    }  # fmt: skip
+    assert len(outs) == 1, outs

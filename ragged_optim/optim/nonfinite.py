@@ -205,6 +205,10 @@ def _comparable(v) -> str:
         return repr(v.item()) if v.numel() == 1 else f"tensor{tuple(v.shape)} {v.dtype}"
     if isinstance(v, list | tuple):
         return f"({', '.join(_comparable(x) for x in v)})"
+    if isinstance(v, set | frozenset):  # (printed in hash order, which differs between processes)
+        return f"{{{', '.join(sorted(_comparable(x) for x in v))}}}"
+    if isinstance(v, dict):
+        return f"{{{', '.join(sorted(f'{_comparable(k)}: {_comparable(x)}' for k, x in v.items()))}}}"
     if callable(v) and not isinstance(v, type):
         return f"<{getattr(v, '__qualname__', type(v).__name__)}>"
     text = repr(v)
