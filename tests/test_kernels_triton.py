@@ -218,60 +218,59 @@ else:
         """A bf16/fp16 param: read as fp32, stored rounded to nearest once (the reference's copy_), bit for bit."""
         _adam_both(4 * 128 * SCALE, 128, steps=3, seed=7, gdtype=pdtype, pdtype=pdtype)
 
-    def test_adamw8bit_exact_subnormal_grads():
-        """Tiny grads make v (and sqrt(v), m) subnormal."""
-        bs = 64
-        n = 4 * bs * SCALE
-        g_ = torch.Generator().manual_seed(5)
+    def _both_on(n, bs, seed, steps, grad, **kw):
+        """Triton and the reference from the same state, ``grad(step, generator)`` each step: equal bit for bit
+        after every step. Returns the final param and state."""
+        g_ = torch.Generator().manual_seed(seed)
         p = torch.randn(n, generator=g_).to(DEV)
         s1 = init_adamw8bit_state(n, bs, DEV)
         s2 = {k: v.clone() for k, v in s1.items()}
         p1, p2 = p.clone(), p.clone()
-        for step in (1, 2):
-            g = (torch.randn(n, generator=g_) * 1e-21).to(DEV)
+        for step in steps:
+            g = grad(step, g_).to(DEV)
+            for pp, ss, impl in ((p1, s1, "triton"), (p2, s2, "torch")):
+                adamw8bit_step(pp, g, ss["m_codes"], ss["m_scales"], ss["v_codes"], ss["v_scales"], impl=impl,
+                               step=step, block_size=bs, **kw)  # fmt: skip
+            assert torch.equal(p1, p2) and all(torch.equal(s1[k], s2[k]) for k in s1), step
+        return p1, s1
+
+    def test_adamw8bit_exact_subnormal_grads():
+        """Tiny grads make v (and sqrt(v), m) subnormal."""
+        n = 4 * 64 * SCALE
+
+        def grad(step, g_):
+            g = torch.randn(n, generator=g_) * 1e-21
             g[: n // 2] *= 1e-18
-            kw = dict(step=step, lr=1e-2, eps=1e-30, block_size=bs)
-            adamw8bit_step(p1, g, s1["m_codes"], s1["m_scales"], s1["v_codes"], s1["v_scales"], impl="triton", **kw)
-            adamw8bit_step(p2, g, s2["m_codes"], s2["m_scales"], s2["v_codes"], s2["v_scales"], impl="torch", **kw)
-            assert torch.equal(p1, p2) and all(torch.equal(s1[k], s2[k]) for k in s1)
+            return g
+
+        _both_on(n, 64, 5, (1, 2), grad, lr=1e-2, eps=1e-30)
 
     def test_adamw8bit_exact_heavy_tailed_grads():
         """Grads spanning 1e-8..1 of their block's largest: the sqrt(v) zero floor (code >= 1 for a positive value)
         runs in both implementations, and zero grads keep code 0."""
-        bs = 64
-        n = 3 * bs * SCALE
-        g_ = torch.Generator().manual_seed(9)
-        p = torch.randn(n, generator=g_).to(DEV)
-        s1 = init_adamw8bit_state(n, bs, DEV)
-        s2 = {k: v.clone() for k, v in s1.items()}
-        p1, p2 = p.clone(), p.clone()
-        for step in (1, 2, 3):
+        n = 3 * 64 * SCALE
+
+        def grad(step, g_):
             mag = 10.0 ** (-8 * torch.rand(n, generator=g_))
-            g = (torch.sign(torch.randn(n, generator=g_)) * mag).to(DEV)
+            g = torch.sign(torch.randn(n, generator=g_)) * mag
             g[:: 7 + step] = 0.0
-            kw = dict(step=step, lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, block_size=bs)
-            adamw8bit_step(p1, g, s1["m_codes"], s1["m_scales"], s1["v_codes"], s1["v_scales"], impl="triton", **kw)
-            adamw8bit_step(p2, g, s2["m_codes"], s2["m_scales"], s2["v_codes"], s2["v_scales"], impl="torch", **kw)
-            assert torch.equal(p1, p2) and all(torch.equal(s1[k], s2[k]) for k in s1)
+            return g
+
+        _, s1 = _both_on(n, 64, 9, (1, 2, 3), grad, lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8)
         assert bool((s1["v_codes"] == 0).sum() > 0) and bool((s1["v_codes"] == 1).sum() > 0)
 
     def test_adamw8bit_exact_overflowing_grads():
         """A grad beyond ~1e19 overflows v: both implementations clamp it to the largest float32 the same way."""
-        bs = 64
-        n = 3 * bs * SCALE
-        g_ = torch.Generator().manual_seed(11)
-        p = torch.randn(n, generator=g_).to(DEV)
-        s1 = init_adamw8bit_state(n, bs, DEV)
-        s2 = {k: v.clone() for k, v in s1.items()}
-        p1, p2 = p.clone(), p.clone()
-        for step in (1, 2, 3):
-            g = torch.randn(n, generator=g_).to(DEV)
-            g[5] = 1e30 if step == 1 else g[5]
+        n = 3 * 64 * SCALE
+
+        def grad(step, g_):
+            g = torch.randn(n, generator=g_)
+            if step == 1:
+                g[5] = 1e30
             g[20:40] = 0.0  # no grad in the spike's block: code 0, which an inf scale made NaN
-            kw = dict(step=step, lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, block_size=bs)
-            adamw8bit_step(p1, g, s1["m_codes"], s1["m_scales"], s1["v_codes"], s1["v_scales"], impl="triton", **kw)
-            adamw8bit_step(p2, g, s2["m_codes"], s2["m_scales"], s2["v_codes"], s2["v_scales"], impl="torch", **kw)
-            assert torch.equal(p1, p2) and all(torch.equal(s1[k], s2[k]) for k in s1)
+            return g
+
+        p1, _ = _both_on(n, 64, 11, (1, 2, 3), grad, lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8)
         assert bool(torch.isfinite(p1).all())
 
     def test_adamw8bit_exact_bf16_grad_no_wd():
