@@ -471,9 +471,9 @@ def _eval_then_step(rank, world_size, kind):
 def test_a_forward_after_a_step_sees_the_stepped_params():
     """Our runtime regathers every unit at each iteration (docs/runtime.md, "More all-gathers than FSDP2"): this is
     what that buys. FSDP2 keeps its root's params gathered after an evaluation forward, and the forward after the
-    step used the old ones (measured with kind="fsdp2": 119 off on this model, whose outputs are ~10); ours equals
-    one process within the gap of a one-process run batched otherwise. A guard for the design (no fix: it never failed), for whoever cuts those
-    all-gathers."""
+    step used the old ones (measured with kind="fsdp2": 119 off on this model, whose outputs are ~10); ours
+    equals one process within the gap of a one-process run batched otherwise. A guard for the design (no fix: it
+    never failed), for whoever cuts those all-gathers."""
     one = run_on_ranks(_eval_then_step, 1, "one")[0]
     other = run_on_ranks(_eval_then_step, 1, "one batched otherwise")[0]
     ours = run_on_ranks(_eval_then_step, 2, "ours")[0]
