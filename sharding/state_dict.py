@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -349,15 +350,23 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], 
     """Load a full state dict (e.g. from ``get_full_state_dict`` or an unsharded model) into a sharded model:
     each rank copies its own ranges. No communication. Every key and shape is checked before anything is
     written."""
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(
+            f"load_full_state_dict: state_dict must be a mapping of names to tensors (e.g. from get_full_state_dict), "
+            f"got {type(state_dict).__name__}"
+        )
     own = {k: v for k, v in model.state_dict().items()}
     missing = [k for k in own if k not in state_dict]
     unexpected = [k for k in state_dict if k not in own]
+    # RuntimeError, as torch's load_state_dict (a KeyError printed its message with escaped quotes)
     if strict and (missing or unexpected):
-        raise KeyError(
+        raise RuntimeError(
             f"load_full_state_dict: keys do not match the model; missing {missing[:5]}, unexpected {unexpected[:5]}. "
             "Is the checkpoint from another model? Pass strict=False to load the common keys"
         )
     for name, t in own.items():
+        if name in state_dict and isinstance(t, torch.Tensor) and not isinstance(state_dict[name], torch.Tensor):
+            raise TypeError(f"load_full_state_dict: {name!r} is a {type(state_dict[name]).__name__}, not a tensor")
         if name in state_dict and isinstance(t, torch.Tensor) and tuple(state_dict[name].shape) != tuple(t.shape):
             raise ValueError(
                 f"load_full_state_dict: {name!r} has shape {tuple(state_dict[name].shape)} in the state dict but "

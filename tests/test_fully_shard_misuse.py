@@ -391,3 +391,26 @@ def test_flags_take_bools_and_match_layout_names_the_shapes():
     out = run_on_ranks(_flags_and_twins, 2, timeout_s=60)[0]
     assert "takes True or False" in out["sync"] and "takes True or False" in out["cpu"]
     assert "(9, 8)" in out["twin"] and "(8, 8)" in out["twin"]
+
+
+def _full_state_dict_misuse(rank, world_size):
+    from ragged_optim.sharding import load_full_state_dict
+
+    m = Net()
+    fully_shard(m)
+    out = {}
+    for name, sd in (("none", None), ("missing", {}), ("list", {k: [0.0] for k in Net().state_dict()})):
+        try:
+            load_full_state_dict(m, sd)
+        except (TypeError, RuntimeError) as e:
+            out[name] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def test_load_full_state_dict_misuse_is_named():
+    """Before: ``argument of type 'NoneType' is not iterable``, a KeyError (its message printed with escaped quotes;
+    torch's load_state_dict raises RuntimeError) and ``'list' object has no attribute 'shape'``."""
+    out = run_on_ranks(_full_state_dict_misuse, 2, timeout_s=60)[0]
+    assert out["none"].startswith("TypeError: load_full_state_dict: state_dict must be a mapping")
+    assert out["missing"].startswith("RuntimeError: load_full_state_dict: keys do not match the model")
+    assert out["list"].startswith("TypeError: load_full_state_dict: 'a.weight' is a list, not a tensor")
