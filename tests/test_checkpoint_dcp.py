@@ -606,3 +606,23 @@ def test_async_save_of_torchs_state_dict(tmp_path):
     _, want = run_on_ranks(_async_saved, 2, path, "reference")[0]
     assert all(torch.equal(loaded[n], at_save[n]) for n in at_save)
     assert all(torch.equal(after[n], want[n]) for n in want)  # the optimizer state came back too
+
+
+def _full_from_sharded(rank, world, name):
+    model = ours(IssueNet())
+    opt = _band_opt(model, name)
+    _band_steps(model, opt, range(2))
+    return copy.deepcopy(get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
+
+
+@pytest.mark.parametrize("name", ["shampoo", "soap"])
+def test_torchs_full_band_state_from_a_sharded_run_is_refused_on_a_plain_model(name):
+    """torch's full optimizer state dict of a sharded run holds the saving rank's bands only; loaded into a plain
+    model, torch's loader filled the other bands from the loading optimizer's own first step, and training went on
+    with fresh preconditioners, silently (0.02-0.03 off after 2 steps). Each band now keeps the step it was last
+    updated at, and a band whose step is not its param's is refused."""
+    msd, osd = run_on_ranks(_full_from_sharded, 2, name)[0]
+    model = IssueNet(seed=7)
+    opt = _band_opt(model, name)
+    with pytest.raises(ValueError, match=r"were last updated at step 1, the param's saved state is at step 2"):
+        set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd, options=FULL)

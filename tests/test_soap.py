@@ -211,7 +211,7 @@ def test_first_step_only_accumulates_statistics():
     opt.step()
     assert all(torch.equal(p, b) for p, b in zip(ps, before))
     band = opt.state[ps[0]]["bands"][0]
-    assert set(band) == {"L", "R", "Q_L", "Q_R", "exp_avg", "exp_avg_sq"}
+    assert set(band) == {"L", "R", "Q_L", "Q_R", "exp_avg", "exp_avg_sq", "step"} and float(band["step"]) == 1
     assert not band["exp_avg"].any() and not band["exp_avg_sq"].any() and band["L"].any()
     opt.step()
     assert all(not torch.equal(p, b) for p, b in zip(ps, before))
@@ -223,7 +223,7 @@ def test_columns_above_the_limit_are_not_rotated():
     opt = SOAP([p], max_preconditioner_dim=4)
     p.grad = torch.randn(3, 12)
     opt.step()
-    assert set(opt.state[p]["bands"][0]) == {"L", "Q_L", "exp_avg", "exp_avg_sq"}
+    assert set(opt.state[p]["bands"][0]) == {"L", "Q_L", "exp_avg", "exp_avg_sq", "step"}
 
 
 def test_vector_params_are_adam_from_the_second_step():

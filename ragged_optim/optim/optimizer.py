@@ -287,6 +287,16 @@ class RaggedOptimizer(BlockOptimizer):
             self.state[p].update(_moved(entries, local(p).device, dtype))
 
 
+def _step_of(state: dict) -> float | None:
+    step = state.get("step")
+    return float(step) if isinstance(step, torch.Tensor | int | float) else None
+
+
+def _band_step(band) -> float | None:
+    """The step a saved band was last updated at (None: a band saved before bands kept it)."""
+    return _step_of(band) if isinstance(band, dict) else None
+
+
 def _moved(v, device: torch.device, dtype: torch.dtype):
     """``v`` (a tensor, or dicts / lists / tuples of them) copied to ``device``, floating tensors in ``dtype``."""
     if isinstance(v, torch.Tensor):
@@ -404,6 +414,19 @@ class BandPreconditionerChecks:
                     "on one rank, and torch's get_state_dict(..., full_state_dict=True) keeps rank 0's only: save "
                     "with ro.get_full_optimizer_state_dict(model, opt) (all bands), DCP's sharded state dict, or "
                     "ro.save_checkpoint"
+                )
+            step = _step_of(st)  # (no step: the key checks say what is missing)
+            stale = [
+                k for k in sorted(here & set(bands)) if step is not None and _band_step(bands[k]) not in (None, step)
+            ]
+            if stale:
+                raise ValueError(
+                    f"{cls}.load_state_dict: band(s) {stale[:4]} of {self._param_label(gi, i)} were last updated at "
+                    f"step {_band_step(bands[stale[0]]):g}, the param's saved state is at step {step:g}: the "
+                    "state dict mixes bands of two runs. torch's get_state_dict(..., full_state_dict=True) keeps the "
+                    "saving rank's bands only, and its loader fills the others from the loading optimizer's own "
+                    "first step. Save with ro.get_full_optimizer_state_dict(model, opt) (all bands), DCP's sharded "
+                    "state dict, or ro.save_checkpoint"
                 )
             new_state[key] = {**st, "bands": {k: v for k, v in bands.items() if k in here or not isinstance(k, int)}}
         return {**state_dict, "state": new_state}

@@ -218,7 +218,8 @@ class Shampoo(BandPreconditionerChecks, RaggedOptimizer):
     1-D and 0-D params take the grafted method's update (a diagonal AdaGrad-like preconditioner with
     ``grafting=None``). State per matrix param: ``step``, ``momentum`` (local elements) and ``bands``: for each
     band computed on this rank, ``L``, ``R``, ``L_root``, ``R_root`` (lists of ``[tiles, d, d]`` stacks, one per
-    tile width) and ``graft`` (the band's grafting accumulator). Params whose grad is None are skipped.
+    tile width), ``graft`` (the band's grafting accumulator) and ``step`` (the step the band was last updated at: a
+    load refuses bands of another run). Params whose grad is None are skipped.
     """
 
     layout_keys = ("max_preconditioner_dim",)
@@ -327,7 +328,9 @@ class Shampoo(BandPreconditionerChecks, RaggedOptimizer):
         # A fresh copy: matmul kernels can round differently for a view at another memory offset, and the inverse
         # root amplifies that; a band must compute the same bits wherever it sits in a shard.
         g = g_flat.to(torch.float32, copy=True).reshape(-1, cols)
-        return _band_update(g, st, t, group, f"{label} band {k}").reshape(-1)
+        out = _band_update(g, st, t, group, f"{label} band {k}").reshape(-1)
+        st["step"] = self.state[p]["step"].clone()  # the step this band was last updated at (checked on load)
+        return out
 
     def preconditioner_bytes(self) -> int:
         """Bytes of factor and root matrices this rank holds (its share of the preconditioner memory)."""

@@ -318,7 +318,7 @@ class SOAP(BandPreconditionerChecks, RaggedOptimizer):
                 if not (isinstance(k, int) and 0 <= k * rows < d0):
                     raise ValueError(f"{where} has band {k!r}, but the param has {-(-d0 // rows)} bands of {rows} rows")
                 want = _band_shapes(min(rows, d0 - k * rows), cols, B)
-                for name in sorted(set(want) | set(band)):
+                for name in sorted(set(want) | set(band) - {"step"}):  # (a band's step: kept since 2026-12)
                     got = tuple(band[name].shape) if isinstance(band.get(name), Tensor) else band.get(name)
                     if got != want.get(name):
                         raise ValueError(
@@ -353,8 +353,11 @@ class SOAP(BandPreconditionerChecks, RaggedOptimizer):
         t = int(self.state[p]["step"].item()) - 1
         if k not in bands:
             bands[k] = new_band_state(g, B, shampoo_beta_of(group))
-            return torch.zeros_like(g).reshape(-1)
-        return soap_band_step(g, bands[k], t, group, f"{label} band {k}").reshape(-1)
+            out = torch.zeros_like(g).reshape(-1)
+        else:
+            out = soap_band_step(g, bands[k], t, group, f"{label} band {k}").reshape(-1)
+        bands[k]["step"] = self.state[p]["step"].clone()  # the step this band was last updated at (checked on load)
+        return out
 
     def preconditioner_bytes(self) -> int:
         """Bytes of the factors, bases and rotated moments this rank holds for its bands."""
