@@ -230,8 +230,10 @@ def _check_same_params_in(opt, entries, group) -> None:
     ranks = dist.get_process_group_ranks(group)
     if descs[r][0] == descs[0][0]:  # the same params: other settings
         a, b = dict(descs[0][1]), dict(descs[r][1])
-        key = next(k for k in a if a[k] != b.get(k))
-        if key == "nonfinite":
+        key = next(k for k in [*a, *(k for k in b if k not in a)] if a.get(k) != b.get(k))
+        if key not in a or key not in b:
+            what = f"{len(a) - 1} param groups on rank {ranks[0]} but {len(b) - 1} on rank {ranks[r]}"
+        elif key == "nonfinite":
             what = f"set_nonfinite_policy: {a[key]!r} on rank {ranks[0]} but {b[key]!r} on rank {ranks[r]}"
         else:
             da, db = dict(a[key]), dict(b.get(key, ()))
