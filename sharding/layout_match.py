@@ -17,6 +17,11 @@ def match_layout(model: nn.Module, like: nn.Module) -> None:
     or, where two pieces happen to have the same length, mixes elements silently. A collective (data moves
     between ranks): call it on every rank after the optimizer over ``like`` is built, before ``model``'s layout is
     used by an optimizer's state. Nothing changes where the layouts already agree."""
+    for name, m in (("model", model), ("like", like)):
+        if not isinstance(m, nn.Module):
+            raise TypeError(
+                f"match_layout: {name} must be an nn.Module sharded with fully_shard, got a {type(m).__name__}"
+            )
     mine, theirs = units_of(model), units_of(like)
     if len(mine) != len(theirs):
         raise ValueError(

@@ -42,6 +42,10 @@ def init_weights(model: nn.Module, init_fn=None) -> None:
     tied to one that an earlier module initialised keeps that value; the later module's init still runs (on a
     scratch tensor), so the random stream advances as it does when the model is built normally and tied
     afterwards."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"init_weights: model must be an nn.Module, got a {type(model).__name__}")
+    if init_fn is not None and not callable(init_fn):
+        raise TypeError(f"init_weights: init_fn must be a function of one module (or None), got {init_fn!r}")
     _init_module(model, "", init_fn, set())
 
 

@@ -51,11 +51,18 @@ def is_ragged_sharded(param: torch.Tensor) -> bool:
     return shard_info(param) is not None
 
 
+def _check_tensor(what: str, param) -> None:
+    if not isinstance(param, torch.Tensor):  # (an AttributeError from inside before, naming nothing)
+        raise TypeError(f"{what}: takes one param (a tensor), got a {type(param).__name__}; for a model or a list, "
+                        "call it on each param")  # fmt: skip
+
+
 def full_tensor(param: torch.Tensor) -> torch.Tensor:
     """The full, unsharded value of a parameter (a collective on its unit's group: call it on every rank).
 
     Plain tensors come back as they are; torch DTensors through ``full_tensor()``. A sharded param's ``.grad`` is
     recognised and gathered as ``full_grad(param)`` does (it is a plain 1-D tensor, the local piece of the grad)."""
+    _check_tensor("full_tensor", param)
     info = shard_info(param)
     if info is None:
         if hasattr(param, "full_tensor"):
@@ -71,6 +78,7 @@ def full_grad(param: torch.Tensor) -> torch.Tensor | None:
     """The full gradient of a parameter (a collective on its unit's group: call it on every rank), or None when a
     plain param has none. A sharded param with no grad on this rank contributes zeros. Works for ragged-sharded
     params, torch DTensor params and plain ones alike."""
+    _check_tensor("full_grad", param)
     info = shard_info(param)
     if info is None:
         return None if param.grad is None else full_tensor(param.grad)

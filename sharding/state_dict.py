@@ -336,6 +336,8 @@ def get_full_state_dict(model: nn.Module, *, cpu: bool = True) -> dict[str, torc
     per param; call it on every rank). The result loads into the unsharded model with ``load_state_dict``."""
     if not isinstance(cpu, bool):
         raise ValueError(f"get_full_state_dict(cpu={cpu!r}): takes True or False")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"get_full_state_dict: model must be an nn.Module, got a {type(model).__name__}")
     out = {}
     for name, t in model.state_dict().items():
         if isinstance(t, torch.Tensor):

@@ -414,3 +414,24 @@ def test_load_full_state_dict_misuse_is_named():
     assert out["none"].startswith("TypeError: load_full_state_dict: state_dict must be a mapping")
     assert out["missing"].startswith("RuntimeError: load_full_state_dict: keys do not match the model")
     assert out["list"].startswith("TypeError: load_full_state_dict: 'a.weight' is a list, not a tensor")
+
+
+def test_helpers_name_arguments_of_the_wrong_kind():
+    """Before: raw AttributeErrors from inside (``'NoneType' object has no attribute ...``, ``'list' object has no
+    attribute 'named_modules'``, ``'int' object is not callable``), none naming the argument."""
+    import ragged_optim as ro
+
+    lin = nn.Linear(2, 2)
+    cases = [
+        (lambda: ro.full_tensor(None), "full_tensor: takes one param"),
+        (lambda: ro.full_grad("x"), "full_grad: takes one param"),
+        (lambda: ro.full_shape([1]), "full_shape: takes one param"),
+        (lambda: ro.init_weights("x"), "init_weights: model must be an nn.Module"),
+        (lambda: ro.init_weights(lin, init_fn=3), "init_weights: init_fn must be a function"),
+        (lambda: ro.match_layout(lin, "x"), "match_layout: like must be an nn.Module"),
+        (lambda: ro.get_full_state_dict([lin]), "get_full_state_dict: model must be an nn.Module"),
+        (lambda: ro.muon_param_groups([lin.weight]), "muon_param_groups: takes the model"),
+    ]
+    for call, text in cases:
+        with pytest.raises(TypeError, match=text):
+            call()

@@ -46,6 +46,8 @@ def is_dtensor(t: torch.Tensor) -> bool:
 
 def full_shape(p: torch.Tensor) -> torch.Size:
     """The param's unsharded shape, whatever kind it is."""
+    if not isinstance(p, torch.Tensor):
+        raise TypeError(f"full_shape: takes one param (a tensor), got a {type(p).__name__}")
     info = shard_info(p)
     return info.shape if info is not None else p.shape
 

@@ -111,6 +111,11 @@ def muon_param_groups(
     Returns:
         ``[{"params": [...], "use_muon": True, ...}, {"params": [...], "use_muon": False, ...}]``.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"muon_param_groups: takes the model (an nn.Module), got a {type(model).__name__}; for a list of params, "
+            "build the groups yourself: [{'params': matrices, 'use_muon': True}, {'params': rest, 'use_muon': False}]"
+        )
     _check_overrides(overrides)
     excluded = _module_ids(model, exclude)
     embedding_weights: set[int] = set()
