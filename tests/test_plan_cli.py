@@ -163,6 +163,9 @@ def test_bad_arguments(capsys):
     assert "alignment must be a power of two" in capsys.readouterr().err
     assert _exit_code(["plan", "--module", "no_such_pkg_xyz:f", "--world-size", "8"]) == 2
     assert "no_such_pkg_xyz" in capsys.readouterr().err
+    # (before: "tensor 'layers.0.self_attn.q_proj.weight': itemsize must be ...", naming a tensor, not the flag)
+    assert _exit_code(["plan", "--model", "llama3-8b", "--world-size", "8", "--itemsize", "0"]) == 2
+    assert "--itemsize must be >= 1 (bytes per element), got 0" in capsys.readouterr().err
 
 
 def test_muon_plan_counts_cut_and_moved_matrices(capsys):
