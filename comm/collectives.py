@@ -5,6 +5,8 @@ Every function looks up ``torch.distributed`` at call time, so ``count_collectiv
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 import torch.distributed as dist
 
@@ -62,6 +64,15 @@ def all_reduce_flat(tensor: torch.Tensor, group=None, async_op: bool = False, op
     if _alone(group):  # one contribution: already the result
         return _Completed() if async_op else None
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
+def same_on_every_rank(text: str, group, device) -> bool:
+    """Whether ``text`` (a description of what must agree across ranks) is the same on every rank of ``group``: one
+    all_reduce (MAX) of a 56-bit digest and its negation, so every rank gets the same answer and can raise together."""
+    digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
+    both = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
+    all_reduce_flat(both, group=group, op=dist.ReduceOp.MAX)
+    return int(both[0]) == -int(both[1])
 
 
 def serves_cuda(group=None) -> bool:

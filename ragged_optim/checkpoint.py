@@ -54,6 +54,7 @@ from torch.distributed.tensor import DTensor
 from ragged_optim.optim.blocks import BlockOptimizer
 from ragged_optim.sharding import shard_info
 from ragged_optim.sharding.ragged_dtensor import RaggedDTensor
+from ragged_optim.sharding.sharded_param import full_shape
 from ragged_optim.sharding.state_dict import (
     _block_ranges,
     _ranges,
@@ -217,11 +218,6 @@ def _param_names(model: nn.Module) -> dict[int, str]:
     return names
 
 
-def _full_shape(p: torch.Tensor) -> tuple[int, ...]:
-    info = shard_info(p)
-    return tuple(info.shape) if info is not None else tuple(p.shape)
-
-
 def _opt_params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for g in opt.param_groups for p in g["params"]]
 
@@ -234,8 +230,9 @@ def _opt_fqns(model: nn.Module, opt: torch.optim.Optimizer, which: int) -> list[
             if id(p) not in names:
                 raise CheckpointError(
                     f"optimizer {which} ({type(opt).__name__}) param_groups[{gi}]['params'][{i}] with shape "
-                    f"{_full_shape(p)} is not a parameter of the model. Was the optimizer built before fully_shard "
-                    "(on the params fully_shard replaced)? Build it after fully_shard, from model.parameters()"
+                    f"{tuple(full_shape(p))} is not a parameter of the model. Was the optimizer built before "
+                    "fully_shard (on the params fully_shard replaced)? Build it after fully_shard, from "
+                    "model.parameters()"
                 )
             out.append(names[id(p)])
     return out
@@ -921,6 +918,6 @@ def check_optimizer_state_dict(opt: torch.optim.Optimizer, state_dict: dict[str,
                     raise ValueError(
                         f"{type(opt).__name__}.load_state_dict: state {key!r} of param_groups[{gi}]['params'][{i}]"
                         f"{named} has {v.numel()} elements but the param has {here} here (full shape "
-                        f"{_full_shape(p)}): the state dict is from another model, world size or layout. Use "
+                        f"{tuple(full_shape(p))}): the state dict is from another model, world size or layout. Use "
                         "ragged_optim.checkpoint.save_checkpoint/load_checkpoint to move state across world sizes"
                     )

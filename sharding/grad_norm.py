@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from ragged_optim.comm.collectives import all_reduce_flat
-from ragged_optim.sharding.sharded_param import shard_info
+from ragged_optim.sharding.sharded_param import full_shape, shard_info
 
 
 def _groups_of(params):
@@ -90,7 +90,7 @@ def _reduce_checked(part: torch.Tensor, params: list, group, is_inf: bool) -> to
     by ``p.grad is not None``) got a "global" norm of a mix, silently; now every rank raises the same error. With
     SUM, a digest d agrees on every rank iff W * sum(d**2) == sum(d)**2; with MAX, iff max(d) == -max(-d)."""
     count = float(len(params))
-    size = float(sum(math.prod(_full_shape(p)) for p in params) % 65521)  # (small: its square stays exact)
+    size = float(sum(math.prod(full_shape(p)) for p in params) % 65521)  # (small: its square stays exact)
     digest = (count, -count, size, -size) if is_inf else (count, count * count, size, size * size)
     buf = torch.cat([part.reshape(1), torch.tensor(digest, dtype=torch.float64, device=part.device)])
     all_reduce_flat(buf, group=group, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM)
@@ -105,11 +105,6 @@ def _reduce_checked(part: torch.Tensor, params: list, group, is_inf: bool) -> to
             )
         return buf[0]
     return torch.where(same, buf[0], torch.full_like(buf[0], float("nan")))
-
-
-def _full_shape(p) -> tuple[int, ...]:
-    info = shard_info(p)
-    return tuple(info.shape) if info is not None else tuple(p.shape)  # (a DTensor's shape is the full one)
 
 
 @torch.no_grad()

@@ -22,7 +22,7 @@ import math
 import torch
 from torch import nn
 
-from ragged_optim.sharding.sharded_param import shard_info
+from ragged_optim.sharding.sharded_param import full_shape, shard_info
 
 
 @torch.no_grad()
@@ -151,7 +151,6 @@ def _reset_parameters_of(module: nn.Module, name: str, own):
 
 
 def _full_scratch(p: torch.Tensor) -> nn.Parameter:
-    info = shard_info(p)
-    shape = info.shape if info is not None else p.shape
+    shape = full_shape(p)
     t = torch.empty(math.prod(shape), dtype=p.dtype, device=p.device).view(shape)
     return nn.Parameter(t, requires_grad=p.requires_grad)

@@ -26,7 +26,6 @@ start); on CPU they are async work handles.
 from __future__ import annotations
 
 import enum
-import zlib
 from collections import deque
 
 import torch
@@ -34,7 +33,7 @@ import torch.distributed as dist
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
-from ragged_optim.comm.collectives import all_reduce_flat
+from ragged_optim.comm.collectives import same_on_every_rank
 from ragged_optim.sharding.flat_unit import FlatUnit
 from ragged_optim.sharding.streams import CommStreams
 
@@ -340,10 +339,7 @@ def _check_ranks_shard_alike(states: list[ModuleState]) -> None:
                 by_group.setdefault(id(u.group), (u.group, u.device, []))[2].append(u)
     for group, device, units in by_group.values():
         desc = [(u.module_name, list(u.layout.names), [list(x) for x in u.layout.shapes], str(u.dtype)) for u in units]
-        digest = zlib.crc32(repr(desc).encode())
-        flags = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
-        all_reduce_flat(flags, group=group, op=dist.ReduceOp.MAX)
-        if int(flags[0]) == -int(flags[1]):
+        if same_on_every_rank(repr(desc), group, device):
             continue
         descs = [None] * dist.get_world_size(group)
         dist.all_gather_object(descs, desc, group=group)

@@ -47,6 +47,14 @@ def shard_info(param: torch.Tensor) -> ShardInfo | None:
     return getattr(param, _INFO_ATTR, None)
 
 
+def full_shape(p: torch.Tensor) -> torch.Size:
+    """The param's unsharded shape, whatever kind it is (a DTensor's own shape is the full one)."""
+    if not isinstance(p, torch.Tensor):
+        raise TypeError(f"full_shape: takes one param (a tensor), got a {type(p).__name__}")
+    info = shard_info(p)
+    return info.shape if info is not None else p.shape
+
+
 def is_ragged_sharded(param: torch.Tensor) -> bool:
     return shard_info(param) is not None
 

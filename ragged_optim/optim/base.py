@@ -16,6 +16,7 @@ import torch
 
 from ragged_optim.sharding import shard_info
 from ragged_optim.sharding.owner_routes import dtensor_local_ranges
+from ragged_optim.sharding.sharded_param import full_shape  # noqa: F401  (re-exported: its home is the sharding layer)
 
 
 def scalar(x) -> float:
@@ -42,14 +43,6 @@ def on_foreach_device(tensors) -> bool:
 
 def is_dtensor(t: torch.Tensor) -> bool:
     return hasattr(t, "to_local") and hasattr(t, "placements")
-
-
-def full_shape(p: torch.Tensor) -> torch.Size:
-    """The param's unsharded shape, whatever kind it is."""
-    if not isinstance(p, torch.Tensor):
-        raise TypeError(f"full_shape: takes one param (a tensor), got a {type(p).__name__}")
-    info = shard_info(p)
-    return info.shape if info is not None else p.shape
 
 
 def local(t: torch.Tensor | None) -> torch.Tensor | None:

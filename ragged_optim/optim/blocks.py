@@ -14,7 +14,6 @@ exactly this API. A complete example: docs/custom_optimizer.md.
 from __future__ import annotations
 
 import functools
-import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ragged_optim.comm.collectives import same_on_every_rank
 from ragged_optim.comm.owner_exchange import BlockRoute, OwnerExchange
 from ragged_optim.optim.base import full_shape, local, local_ranges, process_group
 from ragged_optim.sharding import BlockSpec, shard_info
@@ -143,10 +143,7 @@ def _check_ranks_agree(requests: list[tuple], allow_split: bool) -> None:
             (tuple(unit.names), sorted((i, s.block, s.period, s.owner_computed) for i, s in specs.items()))
             for unit, specs in entries
         )
-        digest = int.from_bytes(hashlib.sha256(repr((request, allow_split)).encode()).digest()[:7], "little")
-        both = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-        if both[0].item() != -both[1].item():
+        if not same_on_every_rank(repr((request, allow_split)), group, device):
             n = sum(len(specs) for _, specs in entries)
             names = [unit.names[i] for unit, specs in entries for i in specs][:3]
             raise ValueError(
