@@ -41,6 +41,9 @@ __all__ = [
     "DEFAULT_NS_STEPS",
     "DEFAULT_NS_EPS",
     "NS_MATMUL_MODES",
+    "SMALL_BATCH_MAX_MATRICES",
+    "batched_is_exact",
+    "batching_pays",
     "newton_schulz",
     "resolve_ns_matmul",
 ]
@@ -96,8 +99,8 @@ def newton_schulz(
         batched_matmul: for ``[..., m, n]`` input, run the batch through ``torch.baddbmm`` (fewer kernel launches
             for many small matrices) instead of one matrix at a time. Off by default: batched matmul kernels are
             not bitwise equal to the 2-D ones everywhere (on CPU, in our tests, they matched in bf16
-            but not in fp32), and the
-            default keeps ``newton_schulz(G)[i] == newton_schulz(G[i])`` bit for bit on every backend.
+            but not always in fp32), and the default keeps ``newton_schulz(G)[i] == newton_schulz(G[i])`` bit for
+            bit on every backend; :func:`batched_is_exact` tells where the two agree.
         matmul: ``"auto"``, ``"native"`` (torch.optim.Muon's ops, bitwise) or ``"upcast"`` (operands rounded to
             ``dtype``, each matmul in float32; bf16 and fp16 only, fp32/fp64 compute is left alone); see the module
             docstring.
@@ -148,6 +151,66 @@ def newton_schulz(
     if transpose:
         X = X.mT
     return X.to(dtype).reshape(*batch_shape, m, n).to(out_dtype)
+
+
+#: When one ``batched_matmul=True`` call over same-shape matrices beats a call per matrix. Measured on a CPU (torch
+#: 2.13, oneDNN bf16, one thread; time per matrix over time batched): 8 x 64x64 4.6, 8 x 128x128 2.05, 8 x 256x128
+#: 1.63, 6 x 128x512 1.14, but 8 x 256x256 0.88 and 8 x 512x512 0.78: a fixed cost per oneDNN call dominates small
+#: matrices only, and fp32 gained at most 1.05 at these sizes. So bf16/fp16 with native matmuls, ``m^2 n <= 128^2 *
+#: 512`` (m <= n: the Gram matrix's side), at most 8 matrices a call (which also bounds the updates a batch keeps
+#: alive). And ``m >= 32``: torch runs a bf16 2-D matmul through oneDNN only above 16^3 multiply-adds, a batched one
+#: above that in all, so a 16x16 matrix's 2-D and batched matmuls are different kernels (they differed in 4 of 200
+#: Gram matrices); from 17x17 up they were the same bits in every one of 1,900 matrices (1 and 2 threads, batches of
+#: 2, 3, 8, scales 1e-2..1e2).
+_SMALL_BATCH_MAX_MMN = 128 * 128 * 512
+_SMALL_BATCH_MIN_SIDE = 32
+SMALL_BATCH_MAX_MATRICES = 8
+
+
+def batching_pays(m: int, n: int, dtype: torch.dtype, device: torch.device | str, matmul: str) -> bool:
+    """True where same-shape ``m x n`` matrices orthogonalize faster in one batched call than one call each, with
+    the same kernels (see :data:`SMALL_BATCH_MAX_MATRICES`). CPU only: a GPU's batched kernels are unmeasured here."""
+    if torch.device(device).type != "cpu" or dtype not in (torch.bfloat16, torch.float16):
+        return False
+    small, large = min(m, n), max(m, n)
+    if small < _SMALL_BATCH_MIN_SIDE or small * small * large > _SMALL_BATCH_MAX_MMN:
+        return False
+    return resolve_ns_matmul(matmul, dtype, device) == "native"
+
+
+def batched_is_exact(
+    batch: int,
+    m: int,
+    n: int,
+    in_dtype: torch.dtype,
+    device: torch.device | str,
+    *,
+    steps: int,
+    coefficients: tuple[float, float, float],
+    eps: float,
+    dtype: torch.dtype,
+    matmul: str,
+) -> bool:
+    """Whether :func:`newton_schulz` with ``batched_matmul=True`` gave every matrix of a ``[batch, m, n]`` stack
+    (``in_dtype``) exactly what that matrix gives alone, on this device with these settings, in a probe: three
+    seeded random stacks (scales 1e-2, 1, 1e2), once per (shapes, dtypes, device, settings, thread count). A
+    batched kernel that sums in another order than the 2-D one differs somewhere in such a probe (a 16x16 matrix's
+    differed in a quarter of its Newton-Schulz results); one that is the same kernel never does."""
+    device = torch.device(device)
+    key = (batch, m, n, in_dtype, device, steps, tuple(coefficients), eps, dtype)
+    return _probe_batched(*key, resolve_ns_matmul(matmul, dtype, device), torch.get_num_threads())
+
+
+@functools.cache
+def _probe_batched(batch, m, n, in_dtype, device, steps, coefficients, eps, dtype, matmul, _threads) -> bool:
+    kw = dict(steps=steps, coefficients=coefficients, eps=eps, dtype=dtype, matmul=matmul, out_dtype=dtype)
+    for seed, scale in enumerate((1e-2, 1.0, 1e2)):
+        G = torch.randn(batch, m, n, generator=torch.Generator().manual_seed(seed)) * scale
+        G = G.to(device=device, dtype=in_dtype)
+        together = newton_schulz(G, batched_matmul=True, **kw)
+        if not all(torch.equal(together[i], newton_schulz(G[i], **kw)) for i in range(batch)):
+            return False
+    return True
 
 
 def _ns_matrix(G: Tensor, steps: int, a: float, b: float, c: float, eps: float, dtype, compute, r, transpose: bool):

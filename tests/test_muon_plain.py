@@ -14,7 +14,12 @@ from ns_reference import displacement_gap, ns_noise, torch_muon_ns_in
 from torch import nn
 from torch.optim._muon import _zeropower_via_newtonschulz as torch_ns
 
-from ragged_optim.kernels.newton_schulz import DEFAULT_NS_STEPS, newton_schulz
+from ragged_optim.kernels.newton_schulz import (
+    DEFAULT_NS_COEFFICIENTS,
+    DEFAULT_NS_EPS,
+    DEFAULT_NS_STEPS,
+    newton_schulz,
+)
 from ragged_optim.optim import Muon, muon_param_groups
 
 SHAPES = [(24, 8), (8, 24), (16, 16), (16, 16), (1, 12), (12, 1), (33, 17)]  # tall, wide, square x2, 1xN, Nx1
@@ -463,26 +468,90 @@ def test_seam_orthogonalize_calls_per_step_and_batched_matmul_option(batched, ca
 def test_step_peak_memory_no_more_than_torch_muon():
     """A step keeps one Muon update alive at a time, as torch.optim.Muon does (it once kept every param's update
     until all were orthogonalized: the whole model's matrices again). Measured against torch's step on the same
-    params and grads, in the same run (CPU allocator events)."""
+    params and grads, in the same run (CPU allocator events). The default batches small same-shape matrices (up to
+    8 a call): its peak is a few small matrices more than torch's, and does not grow with the number of params."""
     from ragged_optim.memory import peak_bytes
 
-    shapes = [(96, 64)] * 8
-    ps = make_params(shapes)
-    qs = clone_params(ps)
-    grads = [torch.randn(s, generator=torch.Generator().manual_seed(7 + i)) for i, s in enumerate(shapes)]
-    ours = Muon(ps, ns_matmul="native")
-    theirs = torch.optim.Muon(qs, lr=0.02, weight_decay=0.0)
-    peaks = []
-    for opt, params in ((ours, ps), (theirs, qs)):
+    def step_peak(n, make):
+        shapes = [(96, 64)] * n
+        ps = make_params(shapes)
+        grads = [torch.randn(s, generator=torch.Generator().manual_seed(7 + i)) for i, s in enumerate(shapes)]
+        opt = make(ps)
         for _ in range(2):  # the second step: state exists, only the step's temporaries are allocated
-            for p, g in zip(params, grads):
+            for p, g in zip(ps, grads):
                 p.grad = g.clone()
             _, peak = peak_bytes(opt.step)
-        peaks.append(peak)
+        return peak, ps
+
+    def per_matrix(ps):
+        opt = Muon(ps, ns_matmul="native")
+        opt.ns_batched_matmul = False
+        return opt
+
+    torch_peak, qs = step_peak(8, lambda ps: torch.optim.Muon(ps, lr=0.02, weight_decay=0.0))
+    one_peak, ps = step_peak(8, per_matrix)
     assert all(torch.equal(p, q) for p, q in zip(ps, qs))
+    default_peaks = [step_peak(n, lambda ps: Muon(ps, ns_matmul="native"))[0] for n in (8, 32)]
     one_update = 96 * 64 * 4
-    print(f"\n[muon step peak] ours {peaks[0]} B, torch.optim.Muon {peaks[1]} B, one fp32 update {one_update} B")
-    assert peaks[0] <= peaks[1], peaks
+    print(
+        f"\n[muon step peak] one at a time {one_peak} B, batched by default {default_peaks} B (8, 32 params), "
+        f"torch.optim.Muon {torch_peak} B, one fp32 update {one_update} B"
+    )
+    assert one_peak <= torch_peak, (one_peak, torch_peak)
+    assert default_peaks[1] <= default_peaks[0], default_peaks  # bounded by one batch, not by the model
+    assert default_peaks[0] <= torch_peak + 8 * 3 * one_update, (default_peaks, torch_peak)
+
+
+def test_default_batches_small_same_shape_matrices_with_torchs_bits(monkeypatch):
+    """On a CPU a small matrix's Newton-Schulz is mostly oneDNN's fixed cost per call: the small GPT's Muon step took
+    1.03x torch.optim.Muon's with one call per matrix, 0.81x with batches (issue 18). By default, same-shape small
+    matrices share batched calls of up to 8, where the batched call is probed to give each matrix its own result
+    exactly: params and momentum stay torch.optim.Muon's, bit for bit."""
+    from ragged_optim.kernels.newton_schulz import batched_is_exact
+
+    shapes = [(32, 32)] * 11 + [(48, 32)] * 3 + [(33, 40), (300, 300)] + [(16, 16)] * 3
+    kw = dict(steps=DEFAULT_NS_STEPS, coefficients=DEFAULT_NS_COEFFICIENTS, eps=DEFAULT_NS_EPS, dtype=torch.bfloat16)
+    exact = {(k, m, n): batched_is_exact(k, m, n, torch.bfloat16, "cpu", **kw, matmul="native") for k, m, n in
+             [(8, 32, 32), (3, 32, 32), (3, 48, 32)]}  # fmt: skip
+    ps = make_params(shapes)
+    qs = clone_params(ps)
+    sizes = spy_baddbmm(monkeypatch)  # (after the probes: they are cached per shape and process)
+    ours = Muon(ps, ns_matmul="native", weight_decay=0.1)
+    theirs = torch.optim.Muon(qs, lr=0.02, weight_decay=0.1)
+    run_steps([ours, theirs], [ps, qs], steps=3)
+    per_step = [k for (k, _, _), ok in exact.items() if ok]  # 11 squares: a batch of 8, one of 3; 3 tall ones
+    print(f"\n[muon default batches] probed exact here: {exact}")
+    # the (33, 40) and (300, 300) alone; the 16x16s too: torch runs their 2-D matmuls outside oneDNN
+    assert sorted(sizes) == sorted(per_step * 2 * DEFAULT_NS_STEPS * 3)
+    for p, q in zip(ps, qs):
+        assert torch.equal(p, q), tuple(p.shape)
+        assert torch.equal(ours.state[p]["momentum_buffer"], theirs.state[q]["momentum_buffer"])
+
+
+def test_default_batches_only_where_the_probe_finds_them_exact(monkeypatch):
+    """A backend whose batched matmul rounds otherwise (simulated: 1 ulp added to baddbmm's result) fails the probe,
+    and the default falls back to one call per matrix: still torch.optim.Muon's bits."""
+    from ragged_optim.kernels import newton_schulz as ns
+
+    real = torch.baddbmm
+
+    def off_by_an_ulp(*args, **kwargs):
+        out = real(*args, **kwargs)
+        return torch.nextafter(out, torch.full_like(out, float("inf")))
+
+    monkeypatch.setattr(torch, "baddbmm", off_by_an_ulp)
+    ns._probe_batched.cache_clear()
+    try:
+        assert not ns.batched_is_exact(
+            4, 32, 32, torch.float32, "cpu", steps=5, coefficients=(3.4, -4.7, 2.0), eps=1e-7, dtype=torch.bfloat16,
+            matmul="native",
+        )  # fmt: skip
+        ps = make_params([(32, 32)] * 4)
+        qs = clone_params(ps)
+        run_steps([Muon(ps, ns_matmul="native"), torch.optim.Muon(qs, lr=0.02, weight_decay=0.0)], [ps, qs], steps=2)
+        assert all(torch.equal(p, q) for p, q in zip(ps, qs))
+    finally:
+        ns._probe_batched.cache_clear()  # the next tests probe the real kernels again
 
 
 @pytest.mark.parametrize(

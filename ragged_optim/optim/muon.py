@@ -35,10 +35,12 @@ from ragged_optim.kernels.newton_schulz import (
     DEFAULT_NS_EPS,
     DEFAULT_NS_STEPS,
     NS_MATMUL_MODES,
+    batched_is_exact,
     newton_schulz,
 )
 from ragged_optim.optim.base import full_shape, is_dtensor, local, ns_cost, on_foreach_device, scalar
 from ragged_optim.optim.blocks import check_wire_dtype
+from ragged_optim.optim.muon_batches import SmallMatrixBatch, SmallMatrixBatches
 from ragged_optim.optim.optimizer import RaggedOptimizer, check_bool, check_eps_in_dtype, check_real, check_reals
 from ragged_optim.sharding import BlockSpec, shard_info
 
@@ -260,11 +262,13 @@ class Muon(RaggedOptimizer):
     names). Params whose ``grad`` is None are skipped.
     """
 
-    #: Passed to :func:`newton_schulz` as ``batched_matmul``: False keeps every matrix's result bitwise equal to
-    #: orthogonalizing it alone (and to torch.optim.Muon); True batches same-shape matrices through ``baddbmm``,
-    #: which keeps every Muon param's update alive until the batch is done (False: one at a time, except for params
-    #: whose matrices a rank boundary cuts, which are exchanged together).
-    ns_batched_matmul: bool = False
+    #: Passed to :func:`newton_schulz` as ``batched_matmul``. False: one matrix at a time, every result bitwise what
+    #: orthogonalizing it alone gives (and torch.optim.Muon's), one update alive at a time (except for params whose
+    #: matrices a rank boundary cuts, which are exchanged together). True: same-shape matrices share a ``baddbmm``
+    #: batch, which may round otherwise and keeps every Muon param's update alive until the batch is done. None (the
+    #: default): False, except that whole small matrices on a CPU share batches of up to 8 where that is faster and
+    #: exactly the per-matrix result (:func:`~ragged_optim.kernels.newton_schulz.batched_is_exact`): the same bits.
+    ns_batched_matmul: bool | None = None
     _settings_attrs = (
         *RaggedOptimizer._settings_attrs,
         "wire_dtype",
@@ -572,6 +576,8 @@ class Muon(RaggedOptimizer):
         # a subclass that replaced a phase sees every param go through it
         whole_ok = all(getattr(cls, m) is getattr(Muon, m) for m in _PHASE_BC_METHODS)
         foreach_a = cls._local_muon_update is Muon._local_muon_update
+        small = SmallMatrixBatches(self._finish_small_matrices, self.ns_matmul)
+        batch_small = whole_ok and self.ns_batched_matmul is None
         for gi, group in enumerate(self.param_groups):
             params, grads = [], []
             for i, p in enumerate(group["params"]):
@@ -602,10 +608,13 @@ class Muon(RaggedOptimizer):
                 if self.ns_batched_matmul or self.has_cut_blocks(p):
                     _decay_(p, decay)
                     items.append(item)
+                elif batch_small and small.add(p, update, group, ns_kw, lr, decay):
+                    pass  # finished with its batch
                 elif not (whole_ok and self._finish_whole_param(item, ns_kw, lr, decay)):
                     # its matrices are all on their holders: done now, so one update is alive at a time
                     _decay_(p, decay)
                     self._finish_muon_items([item])
+        small.finish_all()
         if items:
             self._finish_muon_items(items)
         return loss
@@ -650,6 +659,23 @@ class Muon(RaggedOptimizer):
         # (an op on an nn.Parameter costs the host a __torch_function__ round: no view unless the shape differs)
         (p_local if p_local.shape == ortho.shape else p_local.view(ortho.shape)).add_(ortho, alpha=-lr)
         return True
+
+    def _finish_small_matrices(self, batch: SmallMatrixBatch) -> None:
+        """Phases (b) and (c) for same-shape whole matrices: one batched Newton-Schulz where that gives each matrix
+        its own result exactly (probed), else one call per matrix: the same bits either way."""
+        k, ns_kw = len(batch.pending), batch.ns_kw
+        updates = batch.updates[:k]
+        shape = (k, *updates.shape[1:])
+        exact = k > 1 and batched_is_exact(*shape, updates.dtype, updates.device, **ns_kw, matmul=self.ns_matmul)
+        kw = dict(ns_kw, matmul=self.ns_matmul, out_dtype=ns_kw["dtype"])
+        if exact:
+            orthos = newton_schulz(updates, batched_matmul=True, **kw).unbind(0)
+        else:
+            orthos = (newton_schulz(u, **kw) for u in updates)
+        for x, ortho in zip(batch.pending, orthos):
+            p_local = local(x.param)
+            _decay_(p_local, x.decay)
+            p_local.add_(ortho, alpha=-adjust_lr(x.lr, x.group["adjust_lr"], self._matrix_shape(x.param)))
 
     def _finish_muon_items(self, items: list[MuonItem]) -> None:
         """Phases (b) and (c) for ``items``: the params whose matrices a rank boundary cuts go through here together
