@@ -111,6 +111,54 @@ def test_ragged_muon_bf16_equals_one_process_bf16(shapes, world_size, seed):
     assert_within_reference(max_rel(params, ref), gap, 1.0, f"bf16 Muon, {world_size} ranks")
 
 
+def _batched_sharded(rank, world_size, shapes, seed):
+    sizes = []
+    real = torch.baddbmm
+
+    def spy(input, batch1, batch2, *args, **kwargs):
+        sizes.append(batch1.shape[0])
+        return real(input, batch1, batch2, *args, **kwargs)
+
+    torch.baddbmm = spy
+    try:
+        params, _ = sharded(rank, world_size, shapes, seed, torch.bfloat16, "ragged")
+    finally:
+        torch.baddbmm = real
+    return params, sizes
+
+
+def test_ragged_muon_small_matrix_batches_equal_one_process_bitwise():
+    """The default batches same-shape small matrices on a CPU (each rank those it holds whole, the one process all
+    of them: other sets) only where the batched Newton-Schulz is probed bitwise the per-matrix one, so the sharded
+    run is the one-process run bit for bit, at two world sizes."""
+    from ragged_optim.kernels.newton_schulz import (
+        DEFAULT_NS_COEFFICIENTS,
+        DEFAULT_NS_EPS,
+        DEFAULT_NS_STEPS,
+        batched_is_exact,
+        batching_pays,
+    )
+
+    shapes = [(64, 64)] * 5 + [(48, 64)] * 3 + [(40, 33)]
+    ref, _ = reference(shapes, 3, torch.bfloat16)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each rank runs
+    try:
+        kw = dict(steps=DEFAULT_NS_STEPS, coefficients=DEFAULT_NS_COEFFICIENTS, eps=DEFAULT_NS_EPS)
+        batches_here = batching_pays(64, 64, torch.bfloat16, "cpu", "auto") and batched_is_exact(
+            2, 64, 64, torch.bfloat16, "cpu", **kw, dtype=torch.bfloat16, matmul="auto"
+        )
+    finally:
+        torch.set_num_threads(threads)
+    for world_size in (2, 3):
+        results = run_on_ranks(_batched_sharded, world_size, shapes, 3)
+        sizes = [sorted(set(s)) for _, s in results]
+        print(f"\n[muon sharded small batches] world {world_size}: batch sizes per rank {sizes}")
+        for p, r in zip(results[0][0], ref):
+            assert torch.equal(p, r), (world_size, tuple(r.shape))
+        assert any(sizes) or not batches_here, sizes  # (here the ranks did batch: the test is not vacuous)
+
+
 @settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
 @given(shapes=st.lists(shape_st, min_size=1, max_size=3), world_size=st.integers(1, 4), seed=st.integers(0, 99))
 def test_dtensor_muon_equals_one_process(shapes, world_size, seed):

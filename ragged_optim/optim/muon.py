@@ -603,12 +603,13 @@ class Muon(RaggedOptimizer):
             else:
                 updates = (self._local_muon_update(local(p), g, group, key=p) for p, g in zip(params, grads))
             ns_kw = dict(zip(_NS_SETTINGS, _ns_settings(group)))
+            group_small = batch_small and grads[0].device.type == "cpu"  # (a GPU's step: no bucket lookups)
             for p, update in zip(params, updates):
                 item = MuonItem(p, update, group)
                 if self.ns_batched_matmul or self.has_cut_blocks(p):
                     _decay_(p, decay)
                     items.append(item)
-                elif batch_small and small.add(p, update, group, ns_kw, lr, decay):
+                elif group_small and small.add(p, update, group, ns_kw, lr, decay):
                     pass  # finished with its batch
                 elif not (whole_ok and self._finish_whole_param(item, ns_kw, lr, decay)):
                     # its matrices are all on their holders: done now, so one update is alive at a time
@@ -675,7 +676,8 @@ class Muon(RaggedOptimizer):
         for x, ortho in zip(batch.pending, orthos):
             p_local = local(x.param)
             _decay_(p_local, x.decay)
-            p_local.add_(ortho, alpha=-adjust_lr(x.lr, x.group["adjust_lr"], self._matrix_shape(x.param)))
+            lr = adjust_lr(x.lr, x.group["adjust_lr"], self._matrix_shape(x.param))
+            (p_local if p_local.shape == ortho.shape else p_local.view(ortho.shape)).add_(ortho, alpha=-lr)
 
     def _finish_muon_items(self, items: list[MuonItem]) -> None:
         """Phases (b) and (c) for ``items``: the params whose matrices a rank boundary cuts go through here together

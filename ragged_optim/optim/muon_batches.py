@@ -49,16 +49,18 @@ class SmallMatrixBatches:
         """Take ``param``'s ``update`` into its bucket; False when it is not a batchable matrix (its caller finishes
         it alone)."""
         p_local, shape = local(param), full_shape(param)
-        if len(shape) != 2 or p_local.numel() != math.prod(shape) or tuple(update.shape) != tuple(shape):
+        if len(shape) != 2 or p_local.numel() != math.prod(shape) or update.numel() != p_local.numel():
+            return False  # (a sharded param held whole here has a flat local tensor: viewed as its matrix below)
+        if not (p_local.is_contiguous() and update.is_contiguous()):
             return False
-        if not (p_local.is_contiguous() and batching_pays(*shape, ns_kw["dtype"], update.device, self._matmul)):
+        if not batching_pays(*shape, ns_kw["dtype"], update.device, self._matmul):
             return False
         key = (tuple(shape), update.device, *ns_kw.values())
         batch = self._buckets.get(key)
         if batch is None:
             buffer = torch.empty((SMALL_BATCH_MAX_MATRICES, *shape), dtype=ns_kw["dtype"], device=update.device)
             batch = self._buckets[key] = SmallMatrixBatch(ns_kw, buffer, [])
-        batch.updates[len(batch.pending)].copy_(update)
+        batch.updates[len(batch.pending)].copy_(update.view(shape))
         batch.pending.append(PendingMatrix(param, group, lr, decay))
         if len(batch.pending) == SMALL_BATCH_MAX_MATRICES:
             self._finish(self._buckets.pop(key))
