@@ -637,3 +637,83 @@ def test_muon_param_groups_reads_no_parametrized_weight():
     assert want[0] == [f"hidden.parametrizations.weight.original{i}" for i in (0, 1)]  # g is (8, 1): 2-D
     assert "emb.parametrizations.weight.original" in want[1]
     assert run_on_ranks(_groups_of_parametrized, 2) == [want, want]
+
+
+def test_default_batches_hold_no_lone_shape_and_stay_small_for_many_shapes(monkeypatch):
+    """A matrix whose shape no other shares is not batched and does not wait: a model of 48 distinct small shapes
+    steps at the per-matrix path's peak (before: every shape kept an 8-slot bf16 buffer until the step's end, 6.4 MB
+    against 0.13 MB for 64 shapes). Same-shape ones still batch, bitwise the per-matrix result."""
+    from ragged_optim.memory import peak_bytes
+
+    sizes = spy_baddbmm(monkeypatch)
+
+    def step_peak(shapes, batched):
+        ps = make_params(shapes)
+        opt = Muon(ps, ns_matmul="native")
+        if not batched:
+            opt.ns_batched_matmul = False
+        grads = [torch.randn(s, generator=torch.Generator().manual_seed(7 + i)) for i, s in enumerate(shapes)]
+        for _ in range(2):
+            for p, g in zip(ps, grads):
+                p.grad = g.clone()
+            _, peak = peak_bytes(opt.step)
+        return peak, ps
+
+    distinct = [(64, 64 + k) for k in range(48)]
+    (default_peak, ps), (one_peak, qs) = step_peak(distinct, True), step_peak(distinct, False)
+    print(f"\n[muon distinct shapes] step peak default {default_peak} B, one at a time {one_peak} B")
+    assert sizes == [] and default_peak <= one_peak, (sizes, default_peak, one_peak)
+    assert all(torch.equal(p, q) for p, q in zip(ps, qs))
+
+
+def test_a_bad_grad_in_a_later_group_changes_nothing():
+    """Every grad is checked before anything changes: a sparse grad in the last group raises with every param and
+    momentum buffer as they were (before, the earlier groups had stepped: a partial step)."""
+    g = torch.Generator().manual_seed(0)
+    ws = [torch.nn.Parameter(torch.randn(64, 64, generator=g)) for _ in range(4)]
+    bias = torch.nn.Parameter(torch.randn(10, 4, generator=g))
+    opt = Muon([{"params": ws}, {"params": [bias], "use_muon": False}], ns_matmul="native")
+    for w in ws:
+        w.grad = torch.randn(64, 64, generator=g)
+    bias.grad = torch.randn(10, 4, generator=g).to_sparse()
+    before = [w.detach().clone() for w in ws]
+    with pytest.raises(ValueError, match=r"param_groups\[1\]\['params'\]\[0\].*sparse gradient"):
+        opt.step()
+    assert all(torch.equal(b, w) for b, w in zip(before, ws))
+    assert not any(opt.state[w] for w in ws)
+
+
+def test_a_subclass_finish_whole_param_sees_every_whole_param():
+    """A subclass that overrides ``_finish_whole_param`` keeps every param it holds whole on that path: the default's
+    small-matrix batches would pass it by."""
+    calls = []
+
+    class Custom(Muon):
+        def _finish_whole_param(self, item, ns_kw, lr, decay=1.0):
+            calls.append(tuple(item.param.shape))
+            return super()._finish_whole_param(item, ns_kw, lr, decay)
+
+    ps = make_params([(64, 64)] * 3 + [(48, 32)] * 2)
+    qs = clone_params(ps)
+    run_steps([Custom(ps, ns_matmul="native"), torch.optim.Muon(qs, lr=0.02, weight_decay=0.0)], [ps, qs], steps=2)
+    assert len(calls) == 5 * 2, calls
+    assert all(torch.equal(p, q) for p, q in zip(ps, qs))
+
+
+def test_the_probe_takes_a_missing_batched_kernel_for_not_exact(monkeypatch):
+    """A backend without the batched kernel (simulated: baddbmm raises) makes the probe say no, and the default runs
+    one call per matrix; before, every step raised, after the momentum had moved."""
+    from ragged_optim.kernels import newton_schulz as ns
+
+    def missing(*args, **kwargs):
+        raise NotImplementedError("baddbmm: no kernel for this backend")
+
+    monkeypatch.setattr(torch, "baddbmm", missing)
+    ns._probe_batched.cache_clear()
+    try:
+        ps = make_params([(64, 64)] * 4)
+        qs = clone_params(ps)
+        run_steps([Muon(ps, ns_matmul="native"), torch.optim.Muon(qs, lr=0.02, weight_decay=0.0)], [ps, qs], steps=2)
+        assert all(torch.equal(p, q) for p, q in zip(ps, qs))
+    finally:
+        ns._probe_batched.cache_clear()

@@ -22,6 +22,7 @@ foreach ops for all of a group's AdamW params at once (:func:`adamw_foreach_upda
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from collections.abc import Iterable
@@ -575,9 +576,11 @@ class Muon(RaggedOptimizer):
         cls = type(self)
         # a subclass that replaced a phase sees every param go through it
         whole_ok = all(getattr(cls, m) is getattr(Muon, m) for m in _PHASE_BC_METHODS)
-        foreach_a = cls._local_muon_update is Muon._local_muon_update
+        batch_small = (
+            whole_ok and self.ns_batched_matmul is None and cls._finish_whole_param is Muon._finish_whole_param
+        )
         small = SmallMatrixBatches(self._finish_small_matrices, self.ns_matmul)
-        batch_small = whole_ok and self.ns_batched_matmul is None
+        groups = []  # every grad is checked before anything changes
         for gi, group in enumerate(self.param_groups):
             params, grads = [], []
             for i, p in enumerate(group["params"]):
@@ -585,40 +588,56 @@ class Muon(RaggedOptimizer):
                 if grad is not None:
                     params.append(p)
                     grads.append(local(grad))
-            if not params:  # (foreach ops refuse empty lists)
-                continue
-            if not group["use_muon"]:
-                if "momentum" in group:  # set by a scheduler that cycles momentum (OneCycleLR, CyclicLR): beta1
-                    group["betas"] = (group["momentum"], group["betas"][1])
-                adamw_group_update_(params, grads, [self.state[p] for p in params], group, self.foreach is not False)
-                continue
-            lr = self._group_lr(group)
-            # decay: the weight decay factor still to apply to each param before its phase (c); 1 when done
-            decay = 1.0
-            if foreach_a and (self.foreach or (self.foreach is None and on_foreach_device(grads))):
-                updates = self._local_muon_updates(params, grads, group, lr)
-            elif foreach_a:  # per param: the decay right before p's update, while p is in cache (as torch does)
-                decay = 1 - lr * group["weight_decay"]
-                updates = (self._momentum_update(local(p), g, group, key=p) for p, g in zip(params, grads))
-            else:
-                updates = (self._local_muon_update(local(p), g, group, key=p) for p, g in zip(params, grads))
-            ns_kw = dict(zip(_NS_SETTINGS, _ns_settings(group)))
-            group_small = batch_small and grads[0].device.type == "cpu"  # (a GPU's step: no bucket lookups)
-            for p, update in zip(params, updates):
-                item = MuonItem(p, update, group)
-                if self.ns_batched_matmul or self.has_cut_blocks(p):
-                    _decay_(p, decay)
-                    items.append(item)
-                elif group_small and small.add(p, update, group, ns_kw, lr, decay):
-                    pass  # finished with its batch
-                elif not (whole_ok and self._finish_whole_param(item, ns_kw, lr, decay)):
-                    # its matrices are all on their holders: done now, so one update is alive at a time
-                    _decay_(p, decay)
-                    self._finish_muon_items([item])
-        small.finish_all()
+            if params:  # (foreach ops refuse empty lists)
+                groups.append((group, params, grads))
+        if batch_small:
+            for group, params, grads in groups:
+                if group["use_muon"] and grads[0].device.type == "cpu":  # (a GPU's step: no bucket lookups)
+                    small.plan(params, grads, dict(zip(_NS_SETTINGS, _ns_settings(group))))
+        try:
+            for group, params, grads in groups:
+                self._step_group(group, params, grads, items, small, whole_ok)
+            small.finish_all()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                small.finish_all()  # params whose momentum moved get their update, as one at a time they would have
+            raise
         if items:
             self._finish_muon_items(items)
         return loss
+
+    def _step_group(self, group: dict, params: list[Tensor], grads: list[Tensor], items: list[MuonItem],
+                    small: SmallMatrixBatches, whole_ok: bool) -> None:  # fmt: skip
+        """One group of :meth:`step`: AdamW params in full; Muon params through phase (a), then finished now, or
+        waiting in ``small`` (the small matrices it planned) or in ``items`` (cut matrices; ``ns_batched_matmul``)."""
+        if not group["use_muon"]:
+            if "momentum" in group:  # set by a scheduler that cycles momentum (OneCycleLR, CyclicLR): beta1
+                group["betas"] = (group["momentum"], group["betas"][1])
+            adamw_group_update_(params, grads, [self.state[p] for p in params], group, self.foreach is not False)
+            return
+        lr = self._group_lr(group)
+        # decay: the weight decay factor still to apply to each param before its phase (c); 1 when done
+        decay = 1.0
+        foreach_a = type(self)._local_muon_update is Muon._local_muon_update
+        if foreach_a and (self.foreach or (self.foreach is None and on_foreach_device(grads))):
+            updates = self._local_muon_updates(params, grads, group, lr)
+        elif foreach_a:  # per param: the decay right before p's update, while p is in cache (as torch does)
+            decay = 1 - lr * group["weight_decay"]
+            updates = (self._momentum_update(local(p), g, group, key=p) for p, g in zip(params, grads))
+        else:
+            updates = (self._local_muon_update(local(p), g, group, key=p) for p, g in zip(params, grads))
+        ns_kw = dict(zip(_NS_SETTINGS, _ns_settings(group)))
+        for p, update in zip(params, updates):
+            item = MuonItem(p, update, group)
+            if self.ns_batched_matmul or self.has_cut_blocks(p):
+                _decay_(p, decay)
+                items.append(item)
+            elif small.add(p, update, group, ns_kw, lr, decay):
+                pass  # finished with its batch
+            elif not (whole_ok and self._finish_whole_param(item, ns_kw, lr, decay)):
+                # its matrices are all on their holders: done now, so one update is alive at a time
+                _decay_(p, decay)
+                self._finish_muon_items([item])
 
     def _local_muon_updates(self, params: list[Tensor], grads: list[Tensor], group: dict[str, Any], lr: float):
         """Phase (a) of :meth:`_local_muon_update` for all of a group's params: the in-place parts (momentum, weight
@@ -664,15 +683,17 @@ class Muon(RaggedOptimizer):
     def _finish_small_matrices(self, batch: SmallMatrixBatch) -> None:
         """Phases (b) and (c) for same-shape whole matrices: one batched Newton-Schulz where that gives each matrix
         its own result exactly (probed), else one call per matrix: the same bits either way."""
-        k, ns_kw = len(batch.pending), batch.ns_kw
-        updates = batch.updates[:k]
-        shape = (k, *updates.shape[1:])
-        exact = k > 1 and batched_is_exact(*shape, updates.dtype, updates.device, **ns_kw, matmul=self.ns_matmul)
+        k, ns_kw, first = len(batch.pending), batch.ns_kw, batch.updates[0]
+        shape = (k, *first.shape)
+        exact = k > 1 and batched_is_exact(*shape, first.dtype, first.device, **ns_kw, matmul=self.ns_matmul)
         kw = dict(ns_kw, matmul=self.ns_matmul, out_dtype=ns_kw["dtype"])
         if exact:
-            orthos = newton_schulz(updates, batched_matmul=True, **kw).unbind(0)
+            stacked = torch.stack(batch.updates)
+            batch.updates.clear()
+            orthos = newton_schulz(stacked, batched_matmul=True, **kw).unbind(0)
+            del stacked
         else:
-            orthos = (newton_schulz(u, **kw) for u in updates)
+            orthos = (newton_schulz(u, **kw) for u in batch.updates)
         for x, ortho in zip(batch.pending, orthos):
             p_local = local(x.param)
             _decay_(p_local, x.decay)

@@ -7,13 +7,13 @@ sharded run, which batches other sets of matrices, keeps the unsharded run's."""
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-import torch
 from torch import Tensor
 
-from ragged_optim.kernels.newton_schulz import SMALL_BATCH_MAX_MATRICES, batching_pays
+from ragged_optim.kernels.newton_schulz import SMALL_BATCH_MAX_BYTES, SMALL_BATCH_MAX_MATRICES, batching_pays
 from ragged_optim.optim.base import full_shape, local
 
 __all__ = ["PendingMatrix", "SmallMatrixBatch", "SmallMatrixBatches"]
@@ -30,42 +30,71 @@ class PendingMatrix(NamedTuple):
 
 class SmallMatrixBatch(NamedTuple):
     ns_kw: dict[str, Any]  # the Newton-Schulz settings, by newton_schulz's names
-    updates: Tensor  # [SMALL_BATCH_MAX_MATRICES, m, n] in the ns dtype: the first len(pending) hold the updates
+    updates: list[Tensor]  # each pending param's update as its matrix, in the ns dtype
     pending: list[PendingMatrix]
 
 
 class SmallMatrixBatches:
-    """One step's whole, small 2-D Muon params, bucketed by (shape, device, Newton-Schulz settings). Each update is
-    cast to the ns dtype into its bucket as it comes (Newton-Schulz's first op is that cast: the same bits), so a
-    bucket keeps no fp32 update alive; ``finish(batch)`` runs when a bucket is full and, for the rest, at
-    :meth:`finish_all`."""
+    """One step's whole, small 2-D Muon params, bucketed by (shape, device, Newton-Schulz settings).
+
+    :meth:`plan` counts each bucket's params before the step changes anything: a matrix whose shape no other shares
+    is not batched, and a bucket is finished (``finish(batch)``) as soon as its last param or its
+    :data:`SMALL_BATCH_MAX_MATRICES`-th arrives, so nothing waits longer than its batch needs. Each update waits cast
+    to the ns dtype (Newton-Schulz's first op is that cast: the same bits), and when the waiting updates would pass
+    :data:`SMALL_BATCH_MAX_BYTES` the fullest bucket goes first: what waits is at most one full batch of the largest
+    batchable matrix, whatever the model."""
 
     def __init__(self, finish: Callable[[SmallMatrixBatch], None], matmul: str) -> None:
         self._finish = finish
         self._matmul = matmul
+        self._key_of: dict[int, tuple] = {}
+        self._left: Counter = Counter()
         self._buckets: dict[tuple, SmallMatrixBatch] = {}
+        self._bytes = 0
+
+    def plan(self, params: list[Tensor], grads: list[Tensor], ns_kw: dict[str, Any]) -> None:
+        """Count one Muon group's batchable params (call for every group before the first :meth:`add`)."""
+        for p, g in zip(params, grads):
+            p_local, shape = local(p), full_shape(p)
+            if len(shape) != 2 or p_local.numel() != math.prod(shape) or g.numel() != p_local.numel():
+                continue  # (a sharded param held whole here has a flat local tensor: viewed as its matrix in add)
+            if not (p_local.is_contiguous() and batching_pays(*shape, ns_kw["dtype"], g.device, self._matmul)):
+                continue
+            key = (tuple(shape), g.device, *ns_kw.values())
+            self._key_of[id(p)] = key
+            self._left[key] += 1
+        for key in [k for k, n in self._left.items() if n == 1]:  # nothing to share a batch with
+            del self._left[key]
 
     def add(self, param: Tensor, update: Tensor, group: dict, ns_kw: dict[str, Any], lr: float, decay: float) -> bool:
-        """Take ``param``'s ``update`` into its bucket; False when it is not a batchable matrix (its caller finishes
-        it alone)."""
-        p_local, shape = local(param), full_shape(param)
-        if len(shape) != 2 or p_local.numel() != math.prod(shape) or update.numel() != p_local.numel():
-            return False  # (a sharded param held whole here has a flat local tensor: viewed as its matrix below)
-        if not (p_local.is_contiguous() and update.is_contiguous()):
+        """Take ``param``'s ``update`` into its bucket; False when it is not batched (its caller finishes it alone)."""
+        key = self._key_of.get(id(param))
+        if key is None or not self._left[key]:
             return False
-        if not batching_pays(*shape, ns_kw["dtype"], update.device, self._matmul):
+        self._left[key] -= 1
+        if not update.is_contiguous():  # (not seen: the update is made like the grad)
+            self._flush_if_done(key)
             return False
-        key = (tuple(shape), update.device, *ns_kw.values())
-        batch = self._buckets.get(key)
-        if batch is None:
-            buffer = torch.empty((SMALL_BATCH_MAX_MATRICES, *shape), dtype=ns_kw["dtype"], device=update.device)
-            batch = self._buckets[key] = SmallMatrixBatch(ns_kw, buffer, [])
-        batch.updates[len(batch.pending)].copy_(update.view(shape))
+        size = update.numel() * ns_kw["dtype"].itemsize
+        while self._buckets and self._bytes + size > SMALL_BATCH_MAX_BYTES:
+            self._pop(max(self._buckets, key=lambda k: len(self._buckets[k].pending)))
+        batch = self._buckets.setdefault(key, SmallMatrixBatch(ns_kw, [], []))
+        batch.updates.append(update.view(key[0]).to(ns_kw["dtype"], copy=True))
         batch.pending.append(PendingMatrix(param, group, lr, decay))
-        if len(batch.pending) == SMALL_BATCH_MAX_MATRICES:
-            self._finish(self._buckets.pop(key))
+        self._bytes += size
+        self._flush_if_done(key)
         return True
 
     def finish_all(self) -> None:
         while self._buckets:
-            self._finish(self._buckets.pop(next(iter(self._buckets))))
+            self._pop(next(iter(self._buckets)))
+
+    def _flush_if_done(self, key: tuple) -> None:
+        batch = self._buckets.get(key)
+        if batch is not None and (not self._left[key] or len(batch.pending) == SMALL_BATCH_MAX_MATRICES):
+            self._pop(key)
+
+    def _pop(self, key: tuple) -> None:
+        batch = self._buckets.pop(key)
+        self._bytes -= sum(u.numel() * u.element_size() for u in batch.updates)
+        self._finish(batch)
