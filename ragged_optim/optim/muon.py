@@ -683,17 +683,15 @@ class Muon(RaggedOptimizer):
     def _finish_small_matrices(self, batch: SmallMatrixBatch) -> None:
         """Phases (b) and (c) for same-shape whole matrices: one batched Newton-Schulz where that gives each matrix
         its own result exactly (probed), else one call per matrix: the same bits either way."""
-        k, ns_kw, first = len(batch.pending), batch.ns_kw, batch.updates[0]
-        shape = (k, *first.shape)
-        exact = k > 1 and batched_is_exact(*shape, first.dtype, first.device, **ns_kw, matmul=self.ns_matmul)
+        updates, ns_kw = batch.updates, batch.ns_kw
+        exact = len(updates) > 1 and batched_is_exact(
+            *updates.shape, updates.dtype, updates.device, **ns_kw, matmul=self.ns_matmul
+        )
         kw = dict(ns_kw, matmul=self.ns_matmul, out_dtype=ns_kw["dtype"])
         if exact:
-            stacked = torch.stack(batch.updates)
-            batch.updates.clear()
-            orthos = newton_schulz(stacked, batched_matmul=True, **kw).unbind(0)
-            del stacked
+            orthos = newton_schulz(updates, batched_matmul=True, **kw).unbind(0)
         else:
-            orthos = (newton_schulz(u, **kw) for u in batch.updates)
+            orthos = (newton_schulz(u, **kw) for u in updates)
         for x, ortho in zip(batch.pending, orthos):
             p_local = local(x.param)
             _decay_(p_local, x.decay)

@@ -30,8 +30,13 @@ class PendingMatrix(NamedTuple):
 
 class SmallMatrixBatch(NamedTuple):
     ns_kw: dict[str, Any]  # the Newton-Schulz settings, by newton_schulz's names
-    updates: list[Tensor]  # each pending param's update as its matrix, in the ns dtype
+    slots: Tensor  # [k, m, n] in the ns dtype, k = the matrices this batch expects: the first len(pending) are set
     pending: list[PendingMatrix]
+
+    @property
+    def updates(self) -> Tensor:
+        """The pending params' updates, as matrices in the ns dtype."""
+        return self.slots[: len(self.pending)]
 
 
 class SmallMatrixBatches:
@@ -78,8 +83,13 @@ class SmallMatrixBatches:
         size = update.numel() * ns_kw["dtype"].itemsize
         while self._buckets and self._bytes + size > SMALL_BATCH_MAX_BYTES:
             self._pop(max(self._buckets, key=lambda k: len(self._buckets[k].pending)))
-        batch = self._buckets.setdefault(key, SmallMatrixBatch(ns_kw, [], []))
-        batch.updates.append(update.view(key[0]).to(ns_kw["dtype"], copy=True))
+        batch = self._buckets.get(key)
+        if batch is None:  # slots for the params still to come (counted by plan), up to one full batch
+            k = min(self._left[key] + 1, SMALL_BATCH_MAX_MATRICES)
+            batch = self._buckets[key] = SmallMatrixBatch(
+                ns_kw, update.new_empty((k, *key[0]), dtype=ns_kw["dtype"]), []
+            )
+        batch.slots[len(batch.pending)].copy_(update.view(key[0]))
         batch.pending.append(PendingMatrix(param, group, lr, decay))
         self._bytes += size
         self._flush_if_done(key)
@@ -96,5 +106,5 @@ class SmallMatrixBatches:
 
     def _pop(self, key: tuple) -> None:
         batch = self._buckets.pop(key)
-        self._bytes -= sum(u.numel() * u.element_size() for u in batch.updates)
+        self._bytes -= batch.updates.numel() * batch.updates.element_size()
         self._finish(batch)
