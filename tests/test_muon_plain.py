@@ -717,3 +717,29 @@ def test_the_probe_takes_a_missing_batched_kernel_for_not_exact(monkeypatch):
         assert all(torch.equal(p, q) for p, q in zip(ps, qs))
     finally:
         ns._probe_batched.cache_clear()
+
+
+def test_small_matrix_buckets_never_hold_more_than_their_byte_cap(monkeypatch):
+    """What waits for a batch (the open buckets' slots) stays under ``SMALL_BATCH_MAX_BYTES`` (4 MiB: one full batch
+    of the largest batchable matrix), here lowered to 3 slots of 64x64 so that interleaved shapes pass it: the
+    fullest bucket goes first, and the results stay torch.optim.Muon's bits."""
+    from ragged_optim.optim import muon_batches
+
+    cap = 3 * 64 * 64 * 2
+    monkeypatch.setattr(muon_batches, "SMALL_BATCH_MAX_BYTES", cap)
+    held = []
+    real_add = muon_batches.SmallMatrixBatches.add
+
+    def add(self, *args, **kwargs):
+        taken = real_add(self, *args, **kwargs)
+        held.append(sum(b.slots.numel() * b.slots.element_size() for b in self._buckets.values()))
+        return taken
+
+    monkeypatch.setattr(muon_batches.SmallMatrixBatches, "add", add)
+    sizes = spy_baddbmm(monkeypatch)
+    ps = make_params([(64, 64), (64, 48)] * 4)
+    qs = clone_params(ps)
+    run_steps([Muon(ps, ns_matmul="native"), torch.optim.Muon(qs, lr=0.02, weight_decay=0.0)], [ps, qs], steps=2)
+    assert all(torch.equal(p, q) for p, q in zip(ps, qs))
+    assert held and max(held) <= cap, (max(held), cap)
+    assert sizes, "the buckets still batched"

@@ -45,9 +45,9 @@ class SmallMatrixBatches:
     :meth:`plan` counts each bucket's params before the step changes anything: a matrix whose shape no other shares
     is not batched, and a bucket is finished (``finish(batch)``) as soon as its last param or its
     :data:`SMALL_BATCH_MAX_MATRICES`-th arrives, so nothing waits longer than its batch needs. Each update waits cast
-    to the ns dtype (Newton-Schulz's first op is that cast: the same bits), and when the waiting updates would pass
-    :data:`SMALL_BATCH_MAX_BYTES` the fullest bucket goes first: what waits is at most one full batch of the largest
-    batchable matrix, whatever the model."""
+    to the ns dtype (Newton-Schulz's first op is that cast: the same bits), in slots made when its bucket opens; when
+    the open buckets' slots would pass :data:`SMALL_BATCH_MAX_BYTES` the fullest bucket goes first: what waits is at
+    most one full batch of the largest batchable matrix, whatever the model."""
 
     def __init__(self, finish: Callable[[SmallMatrixBatch], None], matmul: str) -> None:
         self._finish = finish
@@ -80,18 +80,18 @@ class SmallMatrixBatches:
         if not update.is_contiguous():  # (not seen: the update is made like the grad)
             self._flush_if_done(key)
             return False
-        size = update.numel() * ns_kw["dtype"].itemsize
-        while self._buckets and self._bytes + size > SMALL_BATCH_MAX_BYTES:
-            self._pop(max(self._buckets, key=lambda k: len(self._buckets[k].pending)))
         batch = self._buckets.get(key)
         if batch is None:  # slots for the params still to come (counted by plan), up to one full batch
-            k = min(self._left[key] + 1, SMALL_BATCH_MAX_MATRICES)
-            batch = self._buckets[key] = SmallMatrixBatch(
-                ns_kw, update.new_empty((k, *key[0]), dtype=ns_kw["dtype"]), []
-            )
+            one = update.numel() * ns_kw["dtype"].itemsize
+            k = min(self._left[key] + 1, SMALL_BATCH_MAX_MATRICES, max(1, SMALL_BATCH_MAX_BYTES // one))
+            size = k * one
+            while self._buckets and self._bytes + size > SMALL_BATCH_MAX_BYTES:
+                self._pop(max(self._buckets, key=lambda b: len(self._buckets[b].pending)))
+            slots = update.new_empty((k, *key[0]), dtype=ns_kw["dtype"])
+            batch = self._buckets[key] = SmallMatrixBatch(ns_kw, slots, [])
+            self._bytes += size
         batch.slots[len(batch.pending)].copy_(update.view(key[0]))
         batch.pending.append(PendingMatrix(param, group, lr, decay))
-        self._bytes += size
         self._flush_if_done(key)
         return True
 
@@ -101,10 +101,10 @@ class SmallMatrixBatches:
 
     def _flush_if_done(self, key: tuple) -> None:
         batch = self._buckets.get(key)
-        if batch is not None and (not self._left[key] or len(batch.pending) == SMALL_BATCH_MAX_MATRICES):
+        if batch is not None and (not self._left[key] or len(batch.pending) == len(batch.slots)):
             self._pop(key)
 
     def _pop(self, key: tuple) -> None:
         batch = self._buckets.pop(key)
-        self._bytes -= batch.updates.numel() * batch.updates.element_size()
+        self._bytes -= batch.slots.numel() * batch.slots.element_size()
         self._finish(batch)
