@@ -670,15 +670,20 @@ class Muon(RaggedOptimizer):
             return True
         if p_local.numel() != math.prod(shape) or not (p_local.is_contiguous() and item.update.is_contiguous()):
             return False
-        g = item.group
         want = tuple(shape) if len(shape) <= 3 else (shape[0], p_local.numel() // shape[0])
         matrix = item.update if tuple(item.update.shape) == want else item.update.view(want)
         ortho = newton_schulz(matrix, **ns_kw, matmul=self.ns_matmul, out_dtype=ns_kw["dtype"])
-        lr = adjust_lr(lr, g["adjust_lr"], self._matrix_shape(item.param))
+        self._add_whole_update(item.param, item.group, lr, decay, ortho)
+        return True
+
+    def _add_whole_update(self, param: Tensor, group: dict, lr: float, decay: float, ortho: Tensor) -> None:
+        """Phase (c) for a param held whole, from its ``ns_dtype`` result: the weight decay still owed (``decay``),
+        then ``p -= adjusted_lr * ortho`` (torch.optim.Muon's order, while ``p`` is in cache)."""
+        p_local = local(param)
         _decay_(p_local, decay)
+        lr = adjust_lr(lr, group["adjust_lr"], self._matrix_shape(param))
         # (an op on an nn.Parameter costs the host a __torch_function__ round: no view unless the shape differs)
         (p_local if p_local.shape == ortho.shape else p_local.view(ortho.shape)).add_(ortho, alpha=-lr)
-        return True
 
     def _finish_small_matrices(self, batch: SmallMatrixBatch) -> None:
         """Phases (b) and (c) for same-shape whole matrices: one batched Newton-Schulz where that gives each matrix
@@ -693,10 +698,7 @@ class Muon(RaggedOptimizer):
         else:
             orthos = (newton_schulz(u, **kw) for u in updates)
         for x, ortho in zip(batch.pending, orthos):
-            p_local = local(x.param)
-            _decay_(p_local, x.decay)
-            lr = adjust_lr(x.lr, x.group["adjust_lr"], self._matrix_shape(x.param))
-            (p_local if p_local.shape == ortho.shape else p_local.view(ortho.shape)).add_(ortho, alpha=-lr)
+            self._add_whole_update(x.param, x.group, x.lr, x.decay, ortho)
 
     def _finish_muon_items(self, items: list[MuonItem]) -> None:
         """Phases (b) and (c) for ``items``: the params whose matrices a rank boundary cuts go through here together
