@@ -58,6 +58,7 @@ from ragged_optim.sharding.sharded_param import full_shape
 from ragged_optim.sharding.state_dict import (
     _block_ranges,
     _ranges,
+    install_optimizer_hooks,
     optimizer_state_to_dcp,
     per_element_state,
     sharded_dtensor,
@@ -801,6 +802,7 @@ def load_checkpoint(
                 g["params"] = [index[f] for f in g["params"]]
                 groups.append(g)
             old = {"state": opt.state, "param_groups": opt.param_groups}
+            install_optimizer_hooks(opt)  # a torch optimizer has state now, before its first step
             opt.load_state_dict({"state": state, "param_groups": groups})
             done.append((opt, old))
             lock_layouts(params)

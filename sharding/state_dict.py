@@ -5,7 +5,8 @@
 chunks, data aliasing the flat shard. ``model.load_state_dict`` takes those, full tensors (a plain model's state
 dict, ``full_state_dict=True``) or any torch DTensor (FSDP2's), checks every key and shape of the whole module tree
 before it writes anything, and copies each rank's range into the flat shard. Optimizers get the same treatment
-(hooks installed on any ``torch.optim.Optimizer`` that holds ragged-sharded params, at its first ``step``): state
+(our optimizers convert in their own ``state_dict``; hooks do it on any other ``torch.optim.Optimizer`` that holds
+ragged-sharded params, from its first ``step`` or ``ro.load_checkpoint``): state
 shaped like the param's local piece (``exp_avg``, ``momentum_buffer``, 8-bit codes) becomes a full-shape
 RaggedDTensor, 8-bit ``*_scales`` one over the param's blocks. See docs/checkpoint.md.
 """
@@ -26,6 +27,7 @@ from ragged_optim.sharding.sharded_param import ShardInfo, shard_info
 __all__ = [
     "local_piece",
     "get_full_state_dict",
+    "install_optimizer_hooks",
     "load_full_state_dict",
     "loading_strict",
     "optimizer_state_from_dcp",
@@ -295,12 +297,30 @@ def _opt_pre_hook(opt, state_dict):
 
 
 def install_optimizer_hooks(opt: torch.optim.Optimizer) -> None:
-    """State-dict hooks on ``opt`` (once): see the module doc."""
-    if opt.__dict__.get("_ragged_sd_hooks"):
+    """State-dict hooks on ``opt`` (once) if it holds ragged params: see the module doc. Called at an optimizer's
+    first step and by ``ro.load_checkpoint``, which gives an optimizer state before any step (without them the
+    state dict read right after a load held flat pieces)."""
+    if opt.__dict__.get("_ragged_sd_hooks") or not any(shard_info(p) is not None for p in _params_of(opt)):
         return
     opt.register_state_dict_post_hook(_opt_post_hook)
     opt.register_load_state_dict_pre_hook(_opt_pre_hook)
     opt._ragged_sd_hooks = True
+    _localize_state(opt)
+
+
+def _localize_state(opt: torch.optim.Optimizer) -> None:
+    """Cut state that a torch optimizer's ``load_state_dict`` took before these hooks existed (full tensors or
+    RaggedDTensors, kept as given) to this rank's pieces, which its step computes on. Our own state passes as is."""
+    params = _params_of(opt)
+    held = {i: opt.state[p] for i, p in enumerate(params) if shard_info(p) is not None and opt.state.get(p)}
+    if not held:
+        return
+    groups, i = [], 0
+    for g in opt.param_groups:
+        groups.append({**g, "params": list(range(i, i + len(g["params"])))})
+        i += len(g["params"])
+    for i, st in optimizer_state_from_dcp(opt, {"state": held, "param_groups": groups})["state"].items():
+        opt.state[params[i]] = st
 
 
 def _before_step(opt, _args, _kwargs):
@@ -312,8 +332,7 @@ def _before_step(opt, _args, _kwargs):
     if opt.__dict__.get("_ragged_sd_seen") == n:
         return
     opt._ragged_sd_seen = n
-    if any(shard_info(p) is not None for p in _params_of(opt)):
-        install_optimizer_hooks(opt)
+    install_optimizer_hooks(opt)
 
 
 _HOOK = []

@@ -49,8 +49,7 @@ from ragged_optim.kernels import (
     quantize_blockwise,
 )
 from ragged_optim.kernels.adamw8bit_ref import FLT_MAX, ieee_sqrt_
-from ragged_optim.optim.base import full_shape, is_dtensor, local, local_ranges, process_group
-from ragged_optim.optim.blocks import local_range
+from ragged_optim.optim.base import full_shape, is_dtensor, local, local_range, local_ranges, process_group
 from ragged_optim.optim.muon import adamw_group_update_
 from ragged_optim.optim.optimizer import RaggedOptimizer, check_eps_in_dtype, check_int, check_real, check_reals
 from ragged_optim.sharding import BlockSpec, shard_info

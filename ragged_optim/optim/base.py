@@ -13,6 +13,7 @@ Elementwise math runs on ``local(p)`` for all three; block math gets whole block
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from ragged_optim.sharding import shard_info
 from ragged_optim.sharding.owner_routes import dtensor_local_ranges
@@ -74,3 +75,14 @@ def local_ranges(p: torch.Tensor) -> list[tuple[int, int]]:
 def ns_cost(numel: int, matrix_shape: tuple[int, int]) -> float:
     m, n = matrix_shape
     return float(m) * n * min(m, n)
+
+
+def local_range(p: torch.Tensor) -> tuple[int, int]:
+    """This rank's flat element range ``[lo, hi)`` of the full param (``(0, numel)`` for a plain tensor)."""
+    info = shard_info(p)
+    if info is not None:
+        return info.local_range
+    group = process_group(p)
+    if group is not None:
+        return local_ranges(p)[dist.get_rank(group)]
+    return 0, p.numel()

@@ -24,10 +24,12 @@ from torch import Tensor
 
 from ragged_optim.comm.collectives import same_on_every_rank
 from ragged_optim.comm.owner_exchange import BlockRoute, OwnerExchange
-from ragged_optim.optim.base import full_shape, local, local_ranges, process_group
+from ragged_optim.optim.base import full_shape, local, local_range, local_ranges, process_group
+from ragged_optim.optim.dtensor_state import dtensor_state_from_dcp, dtensor_state_to_dcp
 from ragged_optim.sharding import BlockSpec, shard_info
 from ragged_optim.sharding.owner_routes import balanced_owners, blocks_over_ranges, ragged_routes
 from ragged_optim.sharding.planner import assign_owners_jointly
+from ragged_optim.sharding.state_dict import optimizer_state_from_dcp, optimizer_state_to_dcp
 
 __all__ = [
     "Block",
@@ -66,17 +68,6 @@ class Block:
     @property
     def numel(self) -> int:
         return self.end - self.start
-
-
-def local_range(p: Tensor) -> tuple[int, int]:
-    """This rank's flat element range ``[lo, hi)`` of the full param (``(0, numel)`` for a plain tensor)."""
-    info = shard_info(p)
-    if info is not None:
-        return info.local_range
-    group = process_group(p)
-    if group is not None:
-        return local_ranges(p)[dist.get_rank(group)]
-    return 0, p.numel()
 
 
 def all_reduce_over_shards(t: Tensor, p: Tensor, op: str = "sum") -> Tensor:
@@ -270,6 +261,19 @@ class BlockOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
         if self.__dict__.get("_blocks_declared"):
             self._blocks_stale = True
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's, with the state of ragged params as full-shape RaggedDTensors and that of FSDP2 params as
+        DTensors (as torch's optimizers keep it), from construction on. (The hooks that do the first for torch's
+        optimizers arrive at their first step; a state dict read before that, right after a load, held each rank's
+        flat pieces under the param, silently; a user's optimizer on FSDP2 params saved its local rows as if they
+        were the whole tensor.)"""
+        return dtensor_state_to_dcp(self, optimizer_state_to_dcp(self, super().state_dict()))
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's, taking the state of ragged and FSDP2 params in any form :meth:`state_dict` and DCP give (full
+        tensors, (Ragged)DTensors, this rank's pieces), before as after the first step."""
+        super().load_state_dict(dtensor_state_from_dcp(self, optimizer_state_from_dcp(self, state_dict)))
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()

@@ -23,8 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ragged_optim.optim.base import is_dtensor, local, process_group
-from ragged_optim.optim.blocks import local_range
+from ragged_optim.optim.base import is_dtensor, local, local_range, process_group
 from ragged_optim.sharding import shard_info
 from ragged_optim.sharding.ragged_dtensor import ragged_dtensor
 from ragged_optim.sharding.state_dict import local_piece

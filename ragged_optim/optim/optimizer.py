@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from ragged_optim.optim.base import full_shape, is_dtensor, local, process_group, scalar
 from ragged_optim.optim.blocks import BlockOptimizer
-from ragged_optim.optim.dtensor_state import dtensor_state_from_dcp, dtensor_state_to_dcp
+from ragged_optim.optim.dtensor_state import dtensor_state_from_dcp
 from ragged_optim.optim.nonfinite import guard_step
 from ragged_optim.sharding.state_dict import optimizer_state_from_dcp
 
@@ -222,12 +222,12 @@ class RaggedOptimizer(BlockOptimizer):
     def state_dict(self) -> dict[str, Any]:
         """torch's, with ``torch.dtype`` hyperparameters (Muon's ``ns_dtype``) as strings ("torch.bfloat16"):
         torch's get_optimizer_state_dict and DCP keep only plain types. load_state_dict turns them back."""
-        sd = super().state_dict()
+        sd = super().state_dict()  # (ragged and FSDP2 params' state as (Ragged)DTensors: BlockOptimizer's)
         for g in sd["param_groups"]:
             for k, v in g.items():
                 if isinstance(v, torch.dtype):
                     g[k] = str(v)
-        return dtensor_state_to_dcp(self, sd)  # FSDP2 params' state as DTensors, as torch's optimizers keep it
+        return sd
 
     @staticmethod
     def _dtypes_back(state_dict: Any) -> Any:
