@@ -18,14 +18,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from ragged_optim.comm.collectives import serves_cuda
 from ragged_optim.sharding.comm_policy import CommPolicy
 from ragged_optim.sharding.flat_unit import FlatUnit
+from ragged_optim.sharding.replaced_params import REPLACED_ATTR, mark_replaced  # (REPLACED_ATTR: optim reads it)
+from ragged_optim.sharding.replaced_params import REPLACED_IN_ATTR as _REPLACED_IN_ATTR
 from ragged_optim.sharding.runtime import ModuleState, cast_floating
 from ragged_optim.sharding.sharded_param import shard_info
 from ragged_optim.sharding.state_dict import loading_strict, register_state_dict_hooks
 
 _STATE_ATTR = "_ragged_state"
-#: set on each param a unit replaced (its name); the optimizers read it too (optim/nonfinite.py)
-REPLACED_ATTR = "_ragged_replaced_by"
-_REPLACED_IN_ATTR = "_ragged_replaced_in"  # a weakref to the module whose fully_shard replaced it
 
 
 def state_of(module: nn.Module) -> ModuleState | None:
@@ -365,9 +364,8 @@ def fully_shard(
         )
         for idx in split
     ]
-    for p, n in zip(params, names):  # an optimizer built on these old params can then say what happened
-        setattr(p, REPLACED_ATTR, n)
-        setattr(p, _REPLACED_IN_ATTR, weakref.ref(module))
+    for p, n in zip(params, names):  # an optimizer built on these old params raises at its step (replaced_params)
+        mark_replaced(p, n, module)
     if block_policy is not None:
         for unit, idx in zip(units, split):
             specs = {k: spec for k, i in enumerate(idx) if (spec := block_policy(names[i], params[i])) is not None}
