@@ -52,6 +52,7 @@ class FlatUnit:
         device: torch.device | None = None,
     ):
         self.module = module
+        self.modules = [module]  # fully_shard([m1, m2]): every module of the list (module is the first)
         self.module_name = type(module).__name__  # for messages (fully_shard renames the class afterwards)
         self.replicate_group = replicate_group  # HSDP: replicas of this unit's shards
         self.comm_policy = comm_policy or CommPolicy()
@@ -99,6 +100,9 @@ class FlatUnit:
         # even if frozen since (requires_grad_(False) between micro-batches keeps what was accumulated, as in torch)
         self.accumulating: set[int] = set()
         self.requires_grad_sync = True
+        # FSDPModule.set_gradient_divide_factor (None: the data-parallel size) and set_force_sum_reduction_for_comms
+        self.gradient_divide_factor: float | None = None
+        self.force_sum_reduction = False
         self._build_unsharded_params()
         self.set_sharded_attrs()
 
@@ -414,6 +418,7 @@ class FlatUnit:
                 after=after,
             )
         self.pending_gather = (work, src, version, event)
+        self.gathered_from = self.local_shard._version  # (in-place updates of the shard bump it: see stale_since)
 
     def wait_unshard(self):
         self.start_unshard()
@@ -426,6 +431,15 @@ class FlatUnit:
             # and the backward all-gather puts the same values back. The collective bumps the version counter
             # (at issue or at completion), so restore it once the data is in.
             torch._C._autograd._unsafe_set_version_counter((self.unsharded,), (version,))
+
+    def mark_stale(self, *, unless_unchanged: bool = False) -> None:
+        """At an iteration's start the gathered data may be out of date (an optimizer step changed the shard).
+        ``unless_unchanged`` (a unit kept gathered after backward: set_reshard_after_backward(False)): reuse it while
+        the shard's version counter says no in-place op changed it (gradient accumulation), as FSDP2 reuses it
+        without looking. (Writes through ``p.data`` bypass the counter: FSDP2's contract holds there.)"""
+        same = self.is_unsharded and getattr(self, "gathered_from", None) == self.local_shard._version
+        if not (unless_unchanged and same):
+            self.stale = True
 
     def reshard(self):
         if self.pending_gather is not None:
@@ -504,13 +518,13 @@ class FlatUnit:
         s = self.streams
         if self.comm_policy.grad_reduce == "int8":
             out = torch.empty(self.layout.shard_size, dtype=torch.float32, device=self.device)
-            op, post = dist.ReduceOp.SUM, float(self._grad_divisor())
+            op, post = dist.ReduceOp.SUM, float(self.gradient_divide_factor or self._grad_divisor())
 
             def reduce():
                 quantized_reduce_scatter(out, full, "int8", self.comm_policy.block_size, group=self.group)
                 return self._all_reduce_replicas_on_stream(out, op)
         else:
-            pre, post, op = grad_divide_plan(self.group, full.dtype, self._grad_divisor(), full.device)
+            pre, post, op = self._divide_plan(full)
             out = torch.empty(self.layout.shard_size, dtype=full.dtype, device=self.device)
 
             def reduce():
@@ -566,6 +580,16 @@ class FlatUnit:
         self.grad_buf = None
         self.unsynced_grad = None
         return full
+
+    def _divide_plan(self, full: torch.Tensor) -> tuple[float, float, object]:
+        """(pre, post, op) of the reduce-scatter: an average over the data-parallel ranks by default; with a
+        divide factor, the sum divided by it once after the reduction (1.0: the plain sum), as FSDP2 divides."""
+        if self.gradient_divide_factor is not None:
+            return 1.0, self.gradient_divide_factor, dist.ReduceOp.SUM
+        pre, post, op = grad_divide_plan(self.group, full.dtype, self._grad_divisor(), full.device)
+        if self.force_sum_reduction and op != dist.ReduceOp.SUM:  # NCCL's AVG: sum, then divide
+            return 1.0, float(self._grad_divisor()), dist.ReduceOp.SUM
+        return pre, post, op
 
     def _grad_divisor(self) -> int:
         rep = dist.get_world_size(self.replicate_group) if self.replicate_group is not None else 1

@@ -8,12 +8,15 @@ frozen ones get no gradient buffer and no reduce-scatter). The hooks and the ite
 from __future__ import annotations
 
 import functools
+import warnings
 import weakref
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import UnshardHandle as TorchUnshardHandle
 
 from ragged_optim.comm.collectives import serves_cuda
 from ragged_optim.sharding.comm_policy import CommPolicy
@@ -31,26 +34,143 @@ def state_of(module: nn.Module) -> ModuleState | None:
     return getattr(module, _STATE_ATTR, None)
 
 
-class RaggedFSDPModule:
-    """Mixed into a module's class by ``fully_shard`` (as torch's FSDPModule is), for the familiar methods."""
+def _check_bool(method: str, name: str, value) -> None:
+    if not isinstance(value, bool):  # ("False", a string, was taken for True)
+        raise ValueError(f"{method}({name}={value!r}): takes True or False")
+
+
+def _ours(method: str, modules) -> list[ModuleState]:
+    if not isinstance(modules, list | tuple):
+        raise TypeError(f"{method}(modules=...): takes a list of fully_shard modules, got a {type(modules).__name__}")
+    states = []
+    for m in modules:
+        if (st := state_of(m)) is None:
+            raise ValueError(
+                f"{method}: {type(m).__name__} is not a ragged_optim.fully_shard module (prefetching works between "
+                "units of this library; torch FSDP2 modules cannot be mixed in)"
+            )
+        states.append(st)
+    return states
+
+
+class RaggedFSDPModule(FSDPModule):
+    """Mixed into a module's class by ``fully_shard``, as torch's ``FSDPModule`` is (so ``isinstance(m, FSDPModule)``
+    holds and frameworks find the methods they call). Every public method of torch's FSDPModule is either
+    implemented here or refused with an error that names it: none falls through to torch's, which would read
+    FSDP2's private state."""
+
+    # [RaggedFSDP<Orig>, RaggedFSDPModule, FSDPModule, Orig, ...]: FSDPModule.__new__ builds Orig from index 3
+    _orig_cls_mro_index = 3
+
+    def _get_fsdp_state(self):
+        raise NotImplementedError(
+            f"{type(self).__name__} is a ragged_optim.fully_shard module: it has no torch FSDP2 state "
+            "(_get_fsdp_state). Use the public FSDPModule methods, which this module implements"
+        )
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide the reduced gradients by ``factor`` instead of averaging over the data-parallel ranks (1.0: the
+        sum, as torchtitan sets it), for this module's units (not recursive, as FSDP2's)."""
+        if isinstance(factor, bool) or not isinstance(factor, int | float) or not factor > 0:
+            raise ValueError(f"set_gradient_divide_factor(factor={factor!r}): takes a positive number")
+        for unit in state_of(self).units:
+            unit.gradient_divide_factor = float(factor)
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """torch's deprecated name of :meth:`set_gradient_divide_factor`."""
+        warnings.warn(
+            "set_reduce_scatter_divide_factor is deprecated (as in torch): use set_gradient_divide_factor",
+            FutureWarning,
+            stacklevel=2,
+        )
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Reduce with SUM and divide afterwards even where the backend could average (NCCL's AVG); gloo always
+        sums here. Not recursive, as FSDP2's."""
+        _check_bool("set_force_sum_reduction_for_comms", "enable", enable)
+        for unit in state_of(self).units:
+            unit.force_sum_reduction = enable
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """False: backward accumulates grads locally (no reduce-scatter) until it is set back to True."""
-        if not isinstance(requires_gradient_sync, bool):  # ("False", a string, was taken for True)
-            raise ValueError(
-                f"set_requires_gradient_sync(requires_gradient_sync={requires_gradient_sync!r}): takes True or False"
-            )
+        _check_bool("set_requires_gradient_sync", "requires_gradient_sync", requires_gradient_sync)
         for unit in units_of(self) if recurse else state_of(self).units:
             unit.requires_grad_sync = requires_gradient_sync
 
-    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
-        if not isinstance(reshard_after_forward, bool):
-            raise ValueError(
-                f"set_reshard_after_forward(reshard_after_forward={reshard_after_forward!r}): takes True or False"
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: whether to all-reduce across replicas after the reduce-scatter. Units without replicas have no
+        all-reduce, so True and False are the same there (as in FSDP2). Skipping it under HSDP (accumulating
+        partly reduced grads) is not implemented and is refused."""
+        _check_bool("set_requires_all_reduce", "requires_all_reduce", requires_all_reduce)
+        units = units_of(self) if recurse else state_of(self).units
+        if not requires_all_reduce and any(u.replicate_group is not None for u in units):
+            raise NotImplementedError(
+                "set_requires_all_reduce(False) on a ragged_optim.fully_shard HSDP module: accumulating grads without "
+                "the all-reduce across replicas is not implemented; use set_requires_gradient_sync(False) for "
+                "micro-batches (no reduce-scatter, no all-reduce)"
             )
-        for m in self.modules() if recurse else [self]:
-            if (state := state_of(m)) is not None:
-                state.reshard_after_forward = reshard_after_forward
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
+        _check_bool("set_reshard_after_forward", "reshard_after_forward", reshard_after_forward)
+        for state in _states_under(self) if recurse else [state_of(self)]:
+            state.reshard_after_forward = reshard_after_forward
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """False: keep the gathered params after backward; the next forward reuses them when no in-place op has
+        changed the shard since (gradient accumulation), and gathers again otherwise."""
+        _check_bool("set_reshard_after_backward", "reshard_after_backward", reshard_after_backward)
+        for state in _states_under(self) if recurse else [state_of(self)]:
+            state.reshard_after_backward = reshard_after_backward
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Accepted for FSDP2 code. Here every backward lands its reduced grads at its end, so the flag changes
+        nothing observable (FSDP2 uses False to skip waiting for the reduce-scatters until a later backward)."""
+        _check_bool("set_is_last_backward", "is_last_backward", is_last_backward)
+        state_of(self).is_last_backward = is_last_backward
+
+    def set_modules_to_forward_prefetch(self, modules: list) -> None:
+        """Gather these modules' units right after this one's, in forward (instead of the next in forward order)."""
+        state_of(self).forward_prefetch = _ours("set_modules_to_forward_prefetch", modules)
+
+    def set_modules_to_backward_prefetch(self, modules: list) -> None:
+        """Gather these modules' units at this one's pre-backward (instead of the next in backward order)."""
+        state_of(self).backward_prefetch = _ours("set_modules_to_backward_prefetch", modules)
+
+    def _refuse(self, method: str, why: str):
+        raise NotImplementedError(f"{method} on a ragged_optim.fully_shard {type(self).__name__}: {why}")
+
+    def set_custom_all_gather(self, comm) -> None:
+        self._refuse("set_custom_all_gather", "the all-gather is the flat-buffer one; use comm_policy= of fully_shard")
+
+    def set_custom_reduce_scatter(self, comm) -> None:
+        self._refuse("set_custom_reduce_scatter", "use comm_policy= of fully_shard (e.g. grad_reduce='bf16')")
+
+    def set_all_reduce_hook(self, hook, *, stream=None) -> None:
+        self._refuse("set_all_reduce_hook", "not implemented; reduce grads yourself after backward instead")
+
+    def set_post_optim_event(self, event) -> None:
+        self._refuse("set_post_optim_event", "not implemented; the next forward waits on the current stream")
+
+    def set_reduce_scatter_unused_params(self, *args, **kwargs) -> None:
+        self._refuse(
+            "set_reduce_scatter_unused_params", "every rank always reduces every param (zeros where unused) here"
+        )
+
+    def set_reduce_scatter_max_input_buffers(self, *args, **kwargs) -> None:
+        self._refuse("set_reduce_scatter_max_input_buffers", "one reduce-scatter input is alive at a time here")
+
+    def set_separate_reduce_scatter_group(self, *args, **kwargs) -> None:
+        self._refuse("set_separate_reduce_scatter_group", "not implemented")
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        self._refuse("set_unshard_in_backward", "every unit with params is gathered for its backward here")
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        self._refuse("set_allocate_memory_from_process_group_for_comm", "not implemented")
+
+    def set_symm_mem_for_comm(self, *args, **kwargs) -> None:
+        self._refuse("set_symm_mem_for_comm", "not implemented")
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """Gather this module's own units now (not those of inner ``fully_shard`` calls), as FSDP2's: the module's
@@ -99,14 +219,14 @@ class RaggedFSDPModule:
         for unit in own:
             unit.unset_attrs()
         try:
-            out = super()._apply(fn, recurse)
+            out = super(FSDPModule, self)._apply(fn, recurse)  # (not FSDPModule._apply: it reads FSDP2 state)
         finally:
             for unit in own:
                 unit.apply_to_shard(fn)
         return out
 
 
-class UnshardHandle:
+class UnshardHandle(TorchUnshardHandle):
     """What ``unshard(async_op=True)`` returns: ``wait()`` completes the all-gathers and puts the full params on
     the module (as FSDP2's handle does)."""
 
@@ -173,12 +293,21 @@ _NOT_A_MEMBER = (
 def _check_args(module, reshard_after_forward, mp_policy, block_policy, comm_policy):
     """Type checks that need no process group, so a wrong argument fails here rather than deep in a hook."""
     if isinstance(module, list | tuple):
-        raise TypeError(
-            f"fully_shard(module=...) got a {type(module).__name__} of modules; ragged_optim makes one unit per "
-            "module: call fully_shard on each module (for m in modules: fully_shard(m)), or on one nn.Module "
-            "whose forward runs them"
-        )
-    if not isinstance(module, nn.Module):
+        if not module:
+            raise ValueError("fully_shard(module=[]): the list of modules is empty; pass one module or several")
+        for k, m in enumerate(module):
+            if not isinstance(m, nn.Module):
+                raise TypeError(f"fully_shard(module=[...]): item {k} is a {type(m).__name__}, not an nn.Module")
+        if len({id(m) for m in module}) != len(module):
+            raise ValueError("fully_shard(module=[...]): a module appears twice in the list")
+        for k, m in enumerate(module):
+            for j, other in enumerate(module):
+                if j != k and any(sub is m for sub in other.modules()):
+                    raise ValueError(
+                        f"fully_shard(module=[...]): item {k} ({type(m).__name__}) is inside item {j} "
+                        f"({type(other).__name__}); list modules that do not contain one another"
+                    )
+    elif not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard(module=...) takes an nn.Module, got a {type(module).__name__}")
     _check_reshard_after_forward(reshard_after_forward)
     if mp_policy is not None:
@@ -219,12 +348,21 @@ def _check_reshard_after_forward(value):
     )
 
 
-def _collect_params(module: nn.Module):
-    """Params under ``module`` not owned by an inner unit, deduplicated (tied weights), in registration order; and
-    the ties to a param an earlier call outside ``module`` sharded: (name here, that module, its name for it)."""
+def _named_modules(modules: list[nn.Module]):
+    """(name, module) under every module of a ``fully_shard`` call; a list's items are named by their index."""
+    for k, module in enumerate(modules):
+        for mod_name, mod in module.named_modules(remove_duplicate=False):
+            head = str(k) if len(modules) > 1 else ""
+            yield ".".join(x for x in (head, mod_name) if x), mod
+
+
+def _collect_params(modules: list[nn.Module]):
+    """Params under ``modules`` not owned by an inner unit, deduplicated (tied weights), in registration order; and
+    the ties to a param an earlier call outside them sharded: (name here, that module, its name for it)."""
     params, names, refs, seen, outside = [], [], [], {}, []
-    inside = {id(m) for m in module.modules()}
-    for mod_name, mod in module.named_modules(remove_duplicate=False):
+    inside = {id(m) for module in modules for m in module.modules()}
+    module = modules[0]
+    for mod_name, mod in _named_modules(modules):
         for attr, p in mod._parameters.items():
             if p is None:
                 continue
@@ -244,7 +382,7 @@ def _collect_params(module: nn.Module):
                 continue
             holder = getattr(p, _REPLACED_IN_ATTR, lambda: None)()
             if holder is not None and id(holder) in inside:  # tied to a param an inner unit of this tree sharded
-                where = next((n for n, m in module.named_modules() if m is holder and n), None)
+                where = next((n for n, m in _named_modules(modules) if m is holder and n), None)
                 owner = getattr(p, REPLACED_ATTR)
                 raise ValueError(_tie_message(module, name, f"{where}.{owner}" if where else owner))
             if holder is not None:  # a sibling's unit, or another model's: an error once one call encloses both
@@ -297,7 +435,7 @@ def _check_params(module: nn.Module, params, names):
 
 
 def fully_shard(
-    module: nn.Module,
+    module: nn.Module | list[nn.Module],
     *,
     mesh=None,
     reshard_after_forward: bool | None = True,
@@ -306,6 +444,11 @@ def fully_shard(
     comm_policy=None,
 ):
     """Shard ``module``'s params (those no inner ``fully_shard`` owns) into one RaggedShard unit; returns module.
+
+    ``module`` may be a list of modules, as in FSDP2 (e.g. ``[model.norm, model.lm_head]``): one unit for all
+    their params, gathered whenever any of them runs forward, inside or outside the root's forward (a chunked
+    loss calling the head by itself), and resharded after each such forward unless ``reshard_after_forward`` is
+    False. Each module of the list is then an ``FSDPModule`` sharing that unit.
 
     ``mesh``: a 1-D DeviceMesh or a ProcessGroup (default: the world), or a 2-D DeviceMesh ``(replicate, shard)``
     for HSDP: params are ragged-sharded over the shard dim and replicated over the other; grads are
@@ -325,27 +468,35 @@ def fully_shard(
     module with no params of its own makes an empty unit that communicates nothing.
     """
     _check_args(module, reshard_after_forward, mp_policy, block_policy, comm_policy)
-    if state_of(module) is not None:
-        raise ValueError(f"fully_shard was already called on this {type(module).__name__}; call it once per module")
-    params, names, refs, ties_outside = _collect_params(module)
-    _check_no_split_ties(module)
+    module_arg = module
+    modules = list(module) if isinstance(module, list | tuple) else [module]
+    for m in modules:
+        if state_of(m) is not None:
+            raise ValueError(f"fully_shard was already called on this {type(m).__name__}; call it once per module")
+    params, names, refs, ties_outside = _collect_params(modules)
+    for m in modules:
+        _check_no_split_ties(m)
     # Hooks run around forward: a ModuleList or ModuleDict has none, so its submodules' own forward would see the
     # sharded params. (Other modules without forward are left alone: tests and optimizer-only uses set grads by hand
     # or call unshard().) An empty unit, every param already in an inner unit, is harmless.
-    if params and isinstance(module, nn.ModuleList | nn.ModuleDict):
+    bare = [m for m in modules if isinstance(m, nn.ModuleList | nn.ModuleDict)]
+    if params and bare:
+        module = bare[0]
         raise TypeError(
             f"fully_shard(module=...): a {type(module).__name__} has no forward, so the hooks that gather its params "
             f"({names[0]!r}, ...) would never run. Call fully_shard on each module inside it (for block in "
             "model.layers: fully_shard(block)), or on the module whose forward uses them"
         )
+    module = modules[0]
     _check_params(module, params, names)  # before the mesh: param errors need no process group
     group, replicate_group = _resolve_groups(mesh)
     device = _target_device(mesh, params, group)
     # the buffers go where a mesh says, or where the params move (never to meta because the params are there)
-    if isinstance(mesh, DeviceMesh):
-        _move_buffers(module, _device_of_type(mesh.device_type))
-    elif params and params[0].device.type != "meta" and device != params[0].device:
-        _move_buffers(module, device)
+    for m in modules:
+        if isinstance(mesh, DeviceMesh):
+            _move_buffers(m, _device_of_type(mesh.device_type))
+        elif params and params[0].device.type != "meta" and device != params[0].device:
+            _move_buffers(m, device)
     # Frozen params go in a unit of their own: no gradient buffer, no reduce-scatter bytes for them.
     trainable = [p.requires_grad for p in params]
     split = [[i for i, t in enumerate(trainable) if t], [i for i, t in enumerate(trainable) if not t]]
@@ -364,6 +515,8 @@ def fully_shard(
         )
         for idx in split
     ]
+    for unit in units:
+        unit.modules = modules
     for p, n in zip(params, names):  # an optimizer built on these old params raises at its step (replaced_params)
         mark_replaced(p, n, module)
     if block_policy is not None:
@@ -372,13 +525,15 @@ def fully_shard(
             unit.relayout(specs)
     # None: see the docstring
     state = ModuleState(module, units, reshard_after_forward=reshard_after_forward is not False)
+    state.modules = modules
     state.ties_outside = ties_outside
-    setattr(module, _STATE_ATTR, state)
-    module.register_forward_pre_hook(_pre_forward_hook, prepend=True, with_kwargs=True)
-    module.register_forward_hook(_post_forward_hook, always_call=True)
-    _mix_in(module)
-    register_state_dict_hooks(module)  # state_dict()/load_state_dict() speak DCP (sharding/state_dict.py)
-    return module
+    for m in modules:
+        setattr(m, _STATE_ATTR, state)
+        m.register_forward_pre_hook(_pre_forward_hook, prepend=True, with_kwargs=True)
+        m.register_forward_hook(_post_forward_hook, always_call=True)
+        _mix_in(m)
+        register_state_dict_hooks(m)  # state_dict()/load_state_dict() speak DCP (sharding/state_dict.py)
+    return modules if isinstance(module_arg, list | tuple) else module
 
 
 def units_of(module: nn.Module) -> list[FlatUnit]:
@@ -387,7 +542,13 @@ def units_of(module: nn.Module) -> list[FlatUnit]:
 
 
 def _states_under(module: nn.Module) -> list[ModuleState]:
-    return [s for m in module.modules() if (s := state_of(m)) is not None]
+    """Module pre-order, each state once (a ``fully_shard([a, b])`` state sits on both modules)."""
+    out, seen = [], set()
+    for m in module.modules():
+        if (s := state_of(m)) is not None and id(s) not in seen:
+            seen.add(id(s))
+            out.append(s)
+    return out
 
 
 def _target_device(mesh, params, group) -> torch.device:

@@ -83,7 +83,7 @@ class RootContext:
                 u.sync_with_sharded_params()
         for s in self.states:
             for u in s.units:
-                u.stale = True
+                u.mark_stale(unless_unchanged=not s.reshard_after_backward)
         if len(self.post_forward_order) > 16 * max(1, len(self.states)):  # forwards with grad, never backwarded
             self._clear_post_forward_order()
         self.iter_forward_root = state
@@ -162,8 +162,14 @@ class ModuleState:
 
     def __init__(self, module, units: list[FlatUnit], reshard_after_forward: bool):
         self.module = module
+        self.modules = [module]  # fully_shard([m1, m2]): hooks on each; module is the first
         self.units = units
         self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_backward = True  # FSDPModule.set_reshard_after_backward
+        self.is_last_backward = True  # FSDPModule.set_is_last_backward (recorded; see there)
+        # FSDPModule.set_modules_to_{forward,backward}_prefetch: the states to prefetch instead of the next in order
+        self.forward_prefetch: list[ModuleState] | None = None
+        self.backward_prefetch: list[ModuleState] | None = None
         self.ctx: RootContext | None = None
         self.is_root: bool | None = None  # fixed at lazy init: the first module to run forward is the root
         self.training_state = TrainingState.IDLE
@@ -208,10 +214,14 @@ class ModuleState:
             ctx.forward_order.append(self)
         self._gather()
         self._set_unsharded_attrs()
-        nxt = _next_in(ctx.forward_order, self)
-        if nxt is not None and id(nxt) not in ctx.ran_forward:
-            for u in nxt.units:
-                u.start_unshard()
+        if self.forward_prefetch is not None:
+            ahead = self.forward_prefetch
+        else:
+            ahead = [nxt] if (nxt := _next_in(ctx.forward_order, self)) is not None else []
+        for nxt in ahead:
+            if id(nxt) not in ctx.ran_forward:
+                for u in nxt.units:
+                    u.start_unshard()
         return self._register_post_backward(args, kwargs)
 
     def post_forward(self, output):
@@ -280,13 +290,17 @@ class ModuleState:
         for u in self.units:
             u.set_unsharded_attrs()  # a recompute that bypasses this module's hooks (checkpoint_wrapper) sees them
             u.prepare_grads()
+        ahead = []
         if self.post_forward_indices:  # prefetch the unit whose backward comes next
             i = self.post_forward_indices.pop()
             if i > 0:
-                nxt = ctx.post_forward_order[i - 1]
-                if nxt.training_state != TrainingState.PRE_BACKWARD:
-                    for u in nxt.units:
-                        u.start_unshard()
+                ahead = [ctx.post_forward_order[i - 1]]
+        if self.backward_prefetch is not None:
+            ahead = self.backward_prefetch
+        for nxt in ahead:
+            if nxt.training_state != TrainingState.PRE_BACKWARD:
+                for u in nxt.units:
+                    u.start_unshard()
 
     def has_grads_to_sync(self) -> bool:
         """A unit that ran only in earlier no-sync micro-batches (a task head, a skipped layer) holds their grads;
@@ -304,7 +318,10 @@ class ModuleState:
         for u in self.units:
             # free the unsharded params first (FSDP2's order): the unit's backward is done reading them, and the
             # reduce-scatter's output (and a backend's copy of its input) are allocated next
-            u.reshard()
+            if self.reshard_after_backward:
+                u.reshard()
+            else:
+                u.set_sharded_attrs()  # the gathered buffer stays for the next forward; the module shows its shards
             if not defer and u.holds_unreduced_grads and u.requires_grad_sync:
                 self.ctx.make_room_for_reduce()
             if not defer and u.post_backward_grads():

@@ -103,7 +103,7 @@ def _own_params(module: nn.Module):
     tied param."""
     for name, p in module.named_parameters(remove_duplicate=False):
         info = shard_info(p)
-        if info is not None and info.unit.module is module:
+        if info is not None and any(m is module for m in info.unit.modules):
             yield name, p, info
 
 

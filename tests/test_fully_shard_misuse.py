@@ -207,11 +207,8 @@ def test_root_sharded_before_submodule_is_refused(ranks):
 # ----------------------------------------------------------------------------------------------- 4. lists, containers
 
 
-def test_list_of_modules_is_refused():
-    m = Net()
-    for modules in ([m.a, m.b], (m.a, m.b)):
-        with pytest.raises(TypeError, match=r"fully_shard\(module=\.\.\.\) got a .* of modules.*each module"):
-            fully_shard(modules)
+def test_not_a_module_is_refused():
+    # (lists of modules are one unit, as in FSDP2: tests/test_fsdp_module_dropin.py)
     with pytest.raises(TypeError, match="takes an nn.Module, got a Tensor"):
         fully_shard(torch.zeros(2))
 

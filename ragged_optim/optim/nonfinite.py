@@ -162,7 +162,7 @@ def _check_not_replaced(opt, entries) -> None:
             raise RuntimeError(
                 f"{cls}: {_label(opt, gi, i, p)} was replaced by fully_shard after the optimizer was built; {fix}"
             )
-    modules = {id(m): m for _, _, p in entries if (info := shard_info(p)) is not None for m in [info.unit.module]}
+    modules = {id(m): m for _, _, p in entries if (info := shard_info(p)) is not None for m in info.unit.modules}
     if not modules:
         return
     reachable = {id(q) for m in modules.values() for q in m.parameters()}
