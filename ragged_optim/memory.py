@@ -1,21 +1,32 @@
 """Peak bytes allocated while a function runs, from the allocator itself (not RSS), on CPU and CUDA.
 
-On CPU torch's profiler with ``profile_memory=True`` records every allocation and free with a running total of
-bytes allocated (kept across profiler sessions of the process, so it is taken relative to its value just before
-the first recorded event); the peak of that total is the figure. On CUDA,
-``torch.cuda.max_memory_allocated`` is the same figure. Tensors alive before the call count as the baseline.
+On CPU the figure is exact: :mod:`ragged_optim.alloc_counter` wraps torch's CPU allocator and counts every
+allocation and every free of CPU storage, on whichever thread it happens (a gloo worker thread drops the last
+reference to a finished collective's tensors, and allocates an all-gather's flat output itself: torch's profiler
+hears neither). On CUDA, ``torch.cuda.max_memory_allocated`` is the figure. Tensors alive before the call count as
+the baseline.
+
+torch's profiler stays for attribution (which op allocated what is live at a peak: :func:`sites_at_peak`) and for
+the record of what a profiler-only count says (:func:`allocation_timeline`, :func:`step_boundary_bytes`): its
+running total only moves for allocator calls on threads that carry the profiler's thread-local state, so frees on
+collective worker threads are missed (the total drifts up) and allocations there are missed too.
 """
 
 from __future__ import annotations
 
+import time
+from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from ragged_optim import alloc_counter
+
 
 def peak_bytes(fn: Callable[[], Any], device: torch.device | str = "cpu") -> tuple[Any, int]:
-    """``(fn(), peak bytes allocated above the baseline while fn ran)``."""
+    """``(fn(), peak bytes allocated above the baseline while fn ran)``. Nested calls each get their own peak (an
+    inner call does not lower the outer one's)."""
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -24,17 +35,129 @@ def peak_bytes(fn: Callable[[], Any], device: torch.device | str = "cpu") -> tup
         out = fn()
         torch.cuda.synchronize(device)
         return out, torch.cuda.max_memory_allocated(device) - base
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    alloc_counter.install()
+    outer = alloc_counter.reset_peak()
+    base = alloc_counter.current()
+    try:
         out = fn()
-    events = allocation_timeline(prof)
-    return out, max([0] + [total for _, total in events])
+        peak = alloc_counter.stats().peak - base
+    finally:
+        alloc_counter.restore_peak(outer)
+    return out, peak
+
+
+def settle(quiet_s: float = 0.01, timeout_s: float = 1.0) -> None:
+    """Wait (sleeping, so without the GIL) until no CPU allocation or free has happened for ``quiet_s``, at most
+    ``timeout_s``: a collective backend's worker thread drops a finished work's tensors a moment after the waiter
+    has resumed, so a count read right after a collective may still hold them."""
+    alloc_counter.install()
+    deadline = time.monotonic() + timeout_s
+    last, since = alloc_counter.stats().seq, time.monotonic()
+    while (now := time.monotonic()) < deadline:
+        time.sleep(quiet_s / 5)
+        seq = alloc_counter.stats().seq
+        if seq != last:
+            last, since = seq, time.monotonic()
+        elif now - since >= quiet_s:
+            return
+
+
+#: Ops that allocate on behalf of the op that called them: a site names the caller.
+_ALLOCATING_OPS = ("aten::empty", "aten::new_empty", "aten::resize_", "aten::empty_like", "aten::empty_strided")
+#: Named regions a site is reported in: FSDP2's record_functions, gloo's work, bench phases, backward nodes.
+_REGIONS = ("FSDP::", "gloo:", "## ", "autograd::engine::evaluate_function: ")
+
+
+def _frame(name: str) -> str | None:
+    """``path:line function`` of a Python frame event (``with_stack=True``) of this library or of torch's FSDP,
+    the code whose memory is compared; None for other frames."""
+    path, _, rest = name.partition("(")
+    line, _, func = rest.partition("): ")
+    ours = any(f"/{d}/" in path for d in ("sharding", "comm", "kernels", "ragged_optim")) and "/bench/" not in path
+    if not (ours or "torch/distributed/fsdp/" in path):
+        return None
+    short = "/".join(path.split("/")[-2:])
+    return f"{short}:{line} {func}"
+
+
+def _site(node) -> str:
+    """``op @ frame in region`` for a profiler allocation event: the innermost op above it that is not a bare
+    allocation, the innermost Python frame of this library or FSDP2 (profiles taken ``with_stack=True``), and the
+    innermost named region (an FSDP2 record_function, a gloo work, a bench phase, a backward node)."""
+    op = frame = region = None
+    first = None
+    parent = node.parent
+    while parent is not None:
+        name = parent.name
+        if ".py(" in name:
+            frame = frame or _frame(name)
+        elif name.startswith(_REGIONS):
+            region = region or name.replace("autograd::engine::evaluate_function: ", "")
+        elif name.startswith("<built-in"):  # "<built-in method resize_ of torch.storage.UntypedStorage object ...>"
+            words = name.split()
+            op = op or (words[2] + (f" of {words[4]}" if len(words) > 4 and words[3] == "of" else ""))
+        else:
+            first = first or name
+            if op is None and not name.startswith(_ALLOCATING_OPS):
+                op = name
+        if frame is not None and region is not None and op is not None:
+            break
+        parent = parent.parent
+    out = op or first or "(outside any op)"
+    if frame:
+        out += f" @ {frame}"
+    if region and region != op:
+        out += f" in {region}"
+    return out
+
+
+def allocation_events(prof) -> dict[tuple[int, int], list]:
+    """A CPU profile's allocation events (not frees), by (address, bytes), each list in time order."""
+    out = defaultdict(list)
+    for root in prof.profiler.kineto_results.experimental_event_tree():
+        stack = [root]
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children)
+            if node.tag == torch._C._profiler._EventType.Allocation and node.extra_fields.alloc_size > 0:
+                out[(node.extra_fields.ptr, node.extra_fields.alloc_size)].append(node)
+    for nodes in out.values():
+        nodes.sort(key=lambda n: n.start_time_ns)
+    return out
+
+
+def sites_at_peak(prof, seq: int, top: int = 8, base_seq: int = 0, held_seq: int = 0) -> list[dict]:
+    """The allocations live just after counter event ``seq`` (a peak's: ``alloc_counter.stats().peak_seq``), by
+    site, largest first: ``[{"site", "bytes", "count"}, ...]``. ``prof`` must have started after
+    ``alloc_counter.start_recording()`` (and ended before ``stop_recording``); each live allocation the profiler
+    heard is matched to its event exactly (same address and size, same rank among those), and those it did not hear
+    are named by thread. Allocations made up to counter event ``base_seq`` (the measurement's baseline) are left
+    out; those made up to ``held_seq`` (e.g. before the step measured) are marked ``held:``."""
+    events = allocation_events(prof)
+    main = alloc_counter.install_thread()
+    groups: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for a in alloc_counter.live_at(seq):
+        if a.seq <= base_seq:
+            continue
+        if a.heard:
+            nodes = events.get((a.ptr, a.size), [])
+            site = _site(nodes[a.ordinal]) if a.ordinal < len(nodes) else "(heard, but not in the profile)"
+        elif a.thread != main:
+            site = "(a thread the profiler does not hear: a collective backend's worker)"
+        else:
+            site = "(allocated while the profiler was off)"
+        if a.seq <= held_seq:
+            site = "held: " + site
+        groups[site][0] += a.size
+        groups[site][1] += 1
+    ranked = sorted(groups.items(), key=lambda kv: -kv[1][0])
+    return [{"site": s, "bytes": b, "count": c} for s, (b, c) in ranked[:top]]
 
 
 def allocation_timeline(prof) -> list[tuple[int, int]]:
     """``(time ns, bytes allocated then)`` for every allocation and free a CPU profile recorded, in time order,
-    relative to the bytes allocated just before its first event."""
+    relative to the bytes allocated just before its first event: the profiler-only count (it misses what threads
+    without the profiler's state allocate and free)."""
     events = []
     for root in prof.profiler.kineto_results.experimental_event_tree():
         stack = [root]
@@ -52,15 +175,13 @@ def allocation_timeline(prof) -> list[tuple[int, int]]:
 
 
 def step_boundary_bytes(prof, t_ns: int) -> int:
-    """Bytes that a CPU profile's allocations keep alive at ``t_ns`` (allocated inside the profile, not freed before
-    ``t_ns``), less those a collective backend's worker may be the one keeping alive: allocations made inside a
-    ``c10d::`` op (the backend's own copies: gloo's reduce-scatter clones its input) and the outputs of all-gathers
-    and reduce-scatters (their first tensor argument, so ``prof`` needs ``record_shapes=True``). A gloo worker drops
-    a finished work, and with it these tensors, when it picks up its next work or gets the GIL, so whether one is
-    alive at a given moment depends on which worker ran the last collective and on scheduling: not something either
-    side of a comparison keeps. Meant for step boundaries, where a data-parallel runtime holds no collective's output
-    (unsharded params are resharded, gradients zeroed). Counted from the allocation events themselves, not the
-    allocator's running total (which the gloo workers' own frees move at moments the events do not order)."""
+    """The profiler-only count of the bytes alive at a step boundary (what `bench memory` reported before the exact
+    count; kept to show its error): bytes that a CPU profile's allocations keep alive at ``t_ns`` (allocated inside
+    the profile, not freed before ``t_ns``), less those a collective backend's worker may be the one keeping alive:
+    allocations made inside a ``c10d::`` op (the backend's own copies: gloo's reduce-scatter clones its input) and
+    the outputs of all-gathers and reduce-scatters (their first tensor argument, so ``prof`` needs
+    ``record_shapes=True``). Counted from the allocation events themselves, not the allocator's running total
+    (which the gloo workers' own frees move at moments the events do not order)."""
     allocs, written = [], []
     for root in prof.profiler.kineto_results.experimental_event_tree():
         stack = [(root, False)]

@@ -250,18 +250,26 @@ def test_bench_seeds_and_families_misuse_is_named():
 
 
 def test_memory_bench_keys_and_what_it_counts():
-    """bench memory at a tiny size: every key, and the persistent bytes before step 2 (shards + AdamW state, grads
-    freed by zero_grad) equal FSDP2's up to its padding: the measure sees what is alive, not only what moves."""
-    from ragged_optim.bench.memory import CONFIGS, run
+    """bench memory at a tiny size: every key, and the bytes alive when step 2 starts (shards + AdamW state, grads
+    freed by zero_grad) equal FSDP2's up to its padding: the measure sees what is alive, not only what moves. The
+    peak is the exact count's (profiler figures beside it), with the phase it fell in and the sites live then."""
+    from ragged_optim.bench.memory import CONFIGS, PHASES, run
 
     r = run(world_size=2, preset="tiny", configs=("adamw",))
     assert CONFIGS == ("adamw", "muon", "adamw_ac")
     for key in ("ours_peak_bytes_adamw", "fsdp2_peak_bytes_adamw", "peak_ratio_vs_fsdp2_adamw", "init_peak_bytes"):
         assert r[key] > 0, key
+    for side in ("ours", "fsdp2"):
+        assert r[f"{side}_profiler_peak_bytes_adamw"] > 0
+        assert r[f"{side}_peak_phase_adamw"] in PHASES[1:]
+        sites = r[f"{side}_peak_sites_adamw"]
+        assert sites and all(s["bytes"] > 0 and s["count"] > 0 for s in sites)
+        assert sum(s["bytes"] for s in sites) <= r[f"{side}_peak_bytes_adamw"]
+    assert "profiler_peak_ratio_vs_fsdp2_adamw" in r
     assert r["init_peak_bytes"] <= r["init_bound_bytes"]
     expected = 3 * 4 * r["params"] / 2  # fp32 shards + two AdamW moments, a half per rank
-    assert expected <= r["ours_persistent_bytes_adamw"] <= r["fsdp2_persistent_bytes_adamw"] * 1.01
-    assert r["ours_peak_bytes_adamw"] > r["ours_persistent_bytes_adamw"]
+    assert expected <= r["ours_start_bytes_adamw"] <= r["fsdp2_start_bytes_adamw"] * 1.01
+    assert r["ours_peak_bytes_adamw"] > r["ours_start_bytes_adamw"]
 
 
 def test_device_cuda_is_refused_clearly_where_it_cannot_run():
