@@ -1,8 +1,13 @@
-"""The `ragged-optim` command line: `train` (the main job), `plan`, `bench`."""
+"""The `ragged-optim` command line: `train` (the main job), `plan`, `bench`.
+
+Building the parser imports no torch (every ``--help`` answers at once): each command module imports what runs the
+command only when it runs; ``tests/test_cli_help.py`` checks it."""
 
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib.util
 import sys
 
 # Each module exposes add_parser(subparsers), which registers one subcommand and sets its `func`.
@@ -14,6 +19,16 @@ class UsageError(ValueError):
 
     ``main`` turns it into an argparse error of the subcommand: usage, ``ragged-optim CMD: error: ...``, exit 2,
     no traceback. A ValueError, so API callers (``TrainConfig.validate``) can catch it as before."""
+
+
+def module_doc(name: str) -> str:
+    """The docstring of module ``name``, read from its source without importing it (help texts, which must not
+    import torch)."""
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.origin:
+        raise ModuleNotFoundError(f"no module named {name!r}", name=name)
+    with open(spec.origin, encoding="utf-8") as f:
+        return ast.get_docstring(ast.parse(f.read())) or ""
 
 
 def _build() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:

@@ -21,26 +21,43 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
 import math
 import os
 import sys
 import time
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:
+    from ragged_optim.sharding.layout import BlockSpec
 
-from ragged_optim.sharding.catalog import model_names, model_units, units_from_module
-from ragged_optim.sharding.layout import BlockSpec
-from ragged_optim.sharding.planner import (
-    TensorSpec,
-    assign_owners_jointly,
-    layout_stats,
-    owner_compute_loads,
-    plan_unit,
-    rank_loads,
-)
+# The planner and the catalog are imported where a plan runs: the sharding package imports torch, and
+# `ragged-optim plan --help` needs none.
 
 OPTIMIZERS = ("muon", "shampoo", "adamw8bit")
+
+
+def model_names() -> list[str]:
+    from ragged_optim.sharding.catalog import model_names as names
+
+    return names()
+
+
+def _model_names_for_help() -> list[str]:
+    """The catalog's model names for ``--help``, without torch: sharding/catalog.py is plain Python that imports
+    nothing of ours, but importing it as ``ragged_optim.sharding.catalog`` runs the sharding package, which
+    imports torch. So it is loaded from its file on its own (under a private name), once."""
+    name = "_ragged_optim_catalog_for_help"
+    module = sys.modules.get(name)
+    if module is None:
+        package = importlib.util.find_spec("ragged_optim.sharding")  # where it is; its __init__ does not run
+        path = os.path.join(package.submodule_search_locations[0], "catalog.py")
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # (dataclasses look their module up while the file runs)
+        spec.loader.exec_module(module)
+    return module.model_names()
 
 
 def _is_hidden_matrix(name: str, shape) -> bool:
@@ -49,6 +66,8 @@ def _is_hidden_matrix(name: str, shape) -> bool:
 
 
 def block_spec(name: str, shape, g: int, optimizer: str | None) -> BlockSpec:
+    from ragged_optim.sharding.layout import BlockSpec
+
     numel = math.prod(shape)
     if optimizer == "muon":
         if _is_hidden_matrix(name, shape):
@@ -110,6 +129,8 @@ def _load_module(spec: str):
 
 
 def _units_of(model) -> tuple[str, list]:
+    from ragged_optim.sharding.catalog import model_units, units_from_module
+
     if isinstance(model, str):
         return model, model_units(model)  # an unknown name: a ValueError listing the known ones
     import torch.nn as nn
@@ -143,6 +164,17 @@ def plan_model(
     ``count`` units behind it (``owner_moved_*`` and the owner compute balance over all of them: identical units get
     different owners); with ``return_layouts=True`` also ``"_units"``: ``(unit, layout)`` per unit, owners final.
     """
+    import numpy as np
+
+    from ragged_optim.sharding.planner import (
+        TensorSpec,
+        assign_owners_jointly,
+        layout_stats,
+        owner_compute_loads,
+        plan_unit,
+        rank_loads,
+    )
+
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1 (the number of ranks), got {world_size!r}")
     if not isinstance(granularity, int) or granularity < 1:
@@ -365,7 +397,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     # One source of the model: --module silently won over --model before.
     source = p.add_mutually_exclusive_group()
-    source.add_argument("--model", help=f"catalog model: {', '.join(model_names())}")
+    source.add_argument("--model", help=f"catalog model: {', '.join(_model_names_for_help())}")
     source.add_argument("--module", help="pkg.mod:factory building an nn.Module (called on the meta device)")
     p.add_argument("--world-size", type=int, required=True, help="number of ranks W")
     p.add_argument("--granularity", type=int, default=1, help="G: rows for matrices, elements for 1-D tensors")

@@ -241,7 +241,7 @@ def test_comm_counter_patches_and_restores():
 
 def test_progress_line_and_png_writer(tmp_path):
     stream = io.StringIO()
-    bar = Progress(10, stream=stream, min_interval_s=0.0)
+    bar = Progress(10, stream=stream, min_interval_s=0.0, tty=True)  # a terminal: one line, redrawn
     bar.update(5, 3.25, 1234.0)
     bar.update(10, 2.5, 2000.0)
     bar.close()

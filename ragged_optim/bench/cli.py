@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 
-from ragged_optim.cli import UsageError
+from ragged_optim.cli import UsageError, module_doc
 
 #: Every benchmark the CLI knows of, in the order ``bench all`` runs them; a module that is not there yet is
 #: listed as unavailable.
@@ -185,17 +185,37 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    have = available()
-    missing = [n for n in BENCHMARKS if n not in have]
-    listing = f"available: {', '.join(have) or 'none'}" + (f"; unavailable: {', '.join(missing)}" if missing else "")
-    p = subparsers.add_parser(
-        "bench",
-        help="benchmarks against the peer (torch FSDP2, torch.optim.Muon, ...) in the same run",
-        description=f"{__doc__}\nBenchmarks {listing}.",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+#: How long each benchmark takes at its defaults, as measured on this project's 2 shared CPU cores (times move with
+#: the load: read them as the order of magnitude). Where none was recorded, the text says so.
+TYPICAL_TIME = {
+    "fsdp": "about 2 min (4 ranks, docs/benchmarks.md)",
+    "memory": "several minutes for its three configurations (4 ranks, a 54M-param GPT; the Muon configuration alone "
+    "ran with a 2600 s timeout); not timed end to end",
+    "muon": "about 45 s (4 ranks, docs/benchmarks.md)",
+    "shampoo": "not recorded (3 steps of 10 matrices on 4 ranks)",
+    "soap": "not recorded (5 steps of 10 matrices on 4 ranks)",
+    "adamw8bit": "not recorded (3 seeds x 100 steps of the tiny GPT, torchao's side on FSDP2 as well)",
+    "comm": "not recorded (3 configurations x 3 seeds of the small GPT on 4 ranks)",
+    "hsdp": "not recorded (2 runs of the small GPT on 4 ranks)",
+    "peers": "about 15 min per family alone on the machine (muon: 803-916 s, docs/benchmarks.md), over an hour for "
+    "all four families (3 seeds x 300 steps each; one process)",
+}
+
+
+def _description(name: str) -> str:
+    """``bench NAME --help``: the benchmark module's own docstring (read from its source, without importing it:
+    the benchmarks import torch), its typical time, where its JSON keys are documented."""
+    try:
+        doc = module_doc(_module_name(name))
+    except ModuleNotFoundError:
+        doc = f"`bench {name}`: not available here."
+    return (
+        f"{doc}\n\nTypical time: {TYPICAL_TIME.get(name, 'not recorded')}.\n"
+        f"Every key of its JSON (--json): docs/benchmarks.md, section `bench {name}`."
     )
-    p.add_argument("name", choices=[*BENCHMARKS, "all"], metavar="NAME", help=f"{listing}; or 'all'")
+
+
+def _add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--world-size", type=int, default=None, help="number of gloo ranks (default: the benchmark's: 4; adamw8bit 3)"
     )
@@ -213,4 +233,55 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--out", default=None, help="JSON file (one benchmark) or folder (all; default benchmarks/results)")
     p.set_defaults(func=cmd_bench)
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    have = available()
+    missing = [n for n in BENCHMARKS if n not in have]
+    listing = f"available: {', '.join(have) or 'none'}" + (f"; unavailable: {', '.join(missing)}" if missing else "")
+    p = subparsers.add_parser(
+        "bench",
+        help="benchmarks against the peer (torch FSDP2, torch.optim.Muon, ...) in the same run",
+        description=f"{__doc__}\nBenchmarks {listing}. `bench NAME --help`: what NAME measures, its typical time "
+        "and where its keys are documented.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    names = p.add_subparsers(dest="name", required=True, metavar="NAME", help=f"{listing}; or 'all'")
+    for name in (*BENCHMARKS, "all"):
+        if name == "all":
+            description = (
+                f"{__doc__}\nRuns every available benchmark in turn ({', '.join(have) or 'none'}). Typical time: the "
+                "sum of theirs, well over an hour with peers."
+            )
+            summary = "every available benchmark, in turn; writes benchmarks/results/latest.{json,md}"
+        else:
+            description = _description(name)
+            summary = _constant(name, "DESCRIPTION") or _first_line(description)
+        sp = names.add_parser(
+            name, help=summary, description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+        )
+        _add_options(sp)
     return p
+
+
+def _first_line(doc: str) -> str:
+    """A benchmark's one-line summary: its docstring's first sentence, without the leading `bench NAME`: label."""
+    line = doc.split("\n\n", 1)[0].replace("\n", " ")
+    return line.split(": ", 1)[1] if line.startswith("`bench ") and ": " in line else line
+
+
+def _constant(name: str, attr: str) -> str | None:
+    """A string constant ``attr`` of benchmark ``name`` (its one-line ``DESCRIPTION``), read from the source
+    without importing the module; None if it has none."""
+    import ast
+
+    spec = importlib.util.find_spec(_module_name(name))
+    if spec is None or not spec.origin:
+        return None
+    with open(spec.origin, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == attr for t in node.targets):
+            if isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+                return node.value.value
+    return None

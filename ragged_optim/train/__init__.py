@@ -4,14 +4,26 @@ our FSDP (or torch's), trained with the chosen optimizer. See ``loop`` for how a
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 
-from ragged_optim.models import PRESETS
-from ragged_optim.train import loop
+from ragged_optim.cli import module_doc
+from ragged_optim.model_presets import PRESETS
 from ragged_optim.train.config import FSDP_KINDS, TrainConfig, lr_multiplier
-from ragged_optim.train.loop import format_summary, run, shard_model, train_rank
 from ragged_optim.train.optimizers import DEFAULT_OPTIMIZER, OPTIMIZERS, make_optimizer
+
+# Imported on first use (PEP 562): the training loop imports torch, and `ragged-optim train --help` needs none.
+_LAZY = {name: "ragged_optim.train.loop" for name in ("format_summary", "run", "shard_model", "train_rank")}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'ragged_optim.train' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "DEFAULT_OPTIMIZER",
@@ -39,7 +51,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p = subparsers.add_parser(
         "train",
         help="train the small GPT with FSDP and a chosen optimizer",
-        description=loop.__doc__,
+        description=module_doc("ragged_optim.train.loop"),
         formatter_class=_HelpFormatter,
     )
     p.add_argument(
@@ -82,11 +94,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--eval-batches", type=int, default=d.eval_batches, help="validation batches per evaluation (0: no validation)"
     )
     p.add_argument(
-        "--eval-every", type=int, default=d.eval_every, help="steps between validation losses (0: only after the last)"
+        "--eval-every",
+        type=int,
+        default=d.eval_every,
+        help="steps between validation losses (0: only after the last; None: steps // 8, so that every run "
+        "draws at least 8 points of the validation curve)",
     )
     p.add_argument("--log-scale", action="store_true", help="loss.png with a log-scale loss axis")
     p.add_argument("--timeout", type=float, default=d.timeout_s, help="seconds before a stuck run is aborted")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr (for logs and CI)")
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress on stderr (when stderr is not a terminal, progress is a plain line every ~10%% of the run, "
+        "for logs; this turns that off too)",
+    )
     p.set_defaults(func=main_from_args)
     return p
 
@@ -116,6 +137,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def main_from_args(args: argparse.Namespace) -> int:
+    from ragged_optim.train.loop import format_summary, run
+
     summary = run(config_from_args(args))
     if summary is not None:
         print(format_summary(summary))

@@ -8,10 +8,12 @@ import time
 from dataclasses import dataclass, field
 
 from ragged_optim.cli import UsageError
-from ragged_optim.models import PRESETS, get_config
+from ragged_optim.model_presets import PRESETS, get_config
 from ragged_optim.train.optimizers import DEFAULT_OPTIMIZER, OPTIMIZERS
 
 FSDP_KINDS = ("ours", "torch", "none")
+#: validation losses a run computes at least when --eval-every is not given (the last step's included)
+MIN_EVALS = 8
 
 
 class ConfigError(UsageError):
@@ -37,7 +39,7 @@ class TrainConfig:
     fsdp: str = "ours"
     seed: int = 0
     eval_batches: int = 4
-    eval_every: int = 50  # steps between validation losses (0: only after the last step)
+    eval_every: int | None = None  # steps between validation losses (0: only after the last step; None: auto)
     log_scale: bool = False  # loss.png's loss axis
     timeout_s: float = 3600.0
     progress: bool = True
@@ -81,7 +83,7 @@ class TrainConfig:
             )
         if self.eval_batches < 0:
             raise ConfigError(f"--eval-batches must be >= 0 (0 skips the validation loss), got {self.eval_batches}")
-        if self.eval_every < 0:
+        if self.eval_every is not None and self.eval_every < 0:
             raise ConfigError(f"--eval-every must be >= 0 (0: only after the last step), got {self.eval_every}")
         if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
             raise ConfigError(f"--timeout must be a finite number of seconds > 0, got {self.timeout_s}")
@@ -96,6 +98,14 @@ class TrainConfig:
         for option, folder in (("--checkpoint-dir", self.checkpoint_dir), ("--out", self.out)):
             if folder is not None:
                 _check_folder(option, folder)
+
+    def eval_interval(self) -> int:
+        """Steps between validation losses: ``eval_every``, or when None ``steps // 8`` (at least 1), so that a run
+        of any length draws at least 8 points of its validation curve (before, the default of 50 drew one point at
+        --steps 50). 0: only after the last step."""
+        if self.eval_every is not None:
+            return self.eval_every
+        return max(1, self.steps // MIN_EVALS)
 
     def model_config(self):
         overrides = {} if self.seq_len is None else {"seq_len": self.seq_len}

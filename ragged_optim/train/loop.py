@@ -5,9 +5,17 @@ Launch: under torchrun (RANK and WORLD_SIZE set) each process is one rank (NCCL 
 reference that sharded runs must match (same seed, same global batches, same losses).
 
 Each run writes to a folder of its own, ``runs/<optimizer>-w<W>-<timestamp>/`` (or ``--out DIR``), printed at the
-start. Rank 0 shows a one-line progress bar on stderr, computes the validation loss every ``--eval-every`` steps and
-after the last one, and at the end prints a summary and writes ``<out>/summary.json`` and ``<out>/loss.png`` (train
-and validation curves). A resumed run (``--resume``) reports the step it resumed from and the loss there.
+start. Rank 0 shows its progress on stderr (a bar with the ETA on a terminal; in a log, a plain line at each tenth
+of the run; ``--no-progress``: none), computes the validation loss every ``--eval-every`` steps (default:
+``steps // 8``, at least 8 points whatever ``--steps`` is) and after the last one, and at the end prints a
+summary and writes ``<out>/summary.json`` and ``<out>/loss.png`` (train and validation curves). A resumed run
+(``--resume``) reports the step it resumed from and the loss there.
+
+Communication in the summary, per step and rank: ``comm_bytes_per_step`` is the collectives' buffer size, the
+message size as nccl-tests counts it (all-gather outputs, reduce-scatter, all-to-all and all-reduce inputs);
+``comm_sent_bytes_per_step_ring`` and ``comm_received_bytes_per_step_ring`` are what a rank sends and receives
+under ring algorithms ((W-1)/W of each buffer, 2 (W-1)/W for an all-reduce; 0 on one rank): estimates, since
+the backend picks its own algorithms.
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ import torch.distributed as dist
 from ragged_optim.comm.counter import CommStats, count_collectives
 from ragged_optim.data import get_batch, load_corpus
 from ragged_optim.models import GPT, build_model, get_config, num_params
-from ragged_optim.train.accounting import optimizer_state_bytes, param_bytes
+from ragged_optim.train.accounting import optimizer_state_bytes, param_bytes, ring_wire_bytes
 from ragged_optim.train.checkpointing import Checkpointer, latest_checkpoint
 from ragged_optim.train.config import ConfigError, TrainConfig, lr_multiplier, run_folder
 from ragged_optim.train.loss_plot import write_loss_png
@@ -102,7 +110,8 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig, device: str | torch
                 print(f"resumed from {path} at step {start}", file=sys.stderr, flush=True)
 
     tokens_per_step = cfg.batch_size * mcfg.seq_len
-    progress = Progress(cfg.steps, enabled=cfg.progress and rank == 0)
+    progress = Progress(cfg.steps, enabled=cfg.progress and rank == 0, start=start)
+    eval_every = cfg.eval_interval()
     counter = CommStats()  # the collectives of forward, backward and the optimizer step, summed over steps
     train_time = 0.0
     for step in range(start, cfg.steps):
@@ -125,7 +134,7 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig, device: str | torch
         progress.update(done, loss_avg, tokens_per_step * (done - start) / max(train_time, 1e-9))
         if done == cfg.steps:  # before the last evaluation: FSDP keeps the root unit unsharded after a forward
             mem = [param_bytes(model), optimizer_state_bytes(opt)]  # with no backward
-        if cfg.eval_batches and ((cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps):
+        if cfg.eval_batches and ((eval_every and done % eval_every == 0) or done == cfg.steps):
             # before the checkpoint, so that a resumed run's curve has this point too
             val_points.append((done, _val_loss(model, cfg, mcfg, rank, world_size, device)))
         if ckpt is not None and (done % cfg.checkpoint_every == 0 or done == cfg.steps):
@@ -177,6 +186,8 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig, device: str | torch
         "tokens_per_s": tokens_per_step * steps_run / train_time if train_time > 0 else None,
         "train_time_s": train_time,
         "comm_bytes_per_step": counter.total_bytes / per_step,
+        "comm_sent_bytes_per_step_ring": ring_wire_bytes(counter.bytes, world_size) / per_step,
+        "comm_received_bytes_per_step_ring": ring_wire_bytes(counter.bytes, world_size) / per_step,
         "collectives_per_step": counter.total_calls / per_step,
         "comm_by_collective": {
             k: {"calls_per_step": counter.calls[k] / per_step, "bytes_per_step": counter.bytes[k] / per_step}
@@ -335,9 +346,16 @@ def format_summary(s: dict) -> str:
     if trained and s.get("tokens_per_s") is not None:
         lines += [
             f"  {num('tokens_per_s', ',.0f')} tokens/s over {num('train_time_s', '.1f')} s",
-            f"  per step per rank: {num('collectives_per_step', '.1f')} collectives, "
-            f"{mib(s.get('comm_bytes_per_step') or 0)}",
+            f"  per step per rank: {num('collectives_per_step', '.1f')} collectives over "
+            f"{mib(s.get('comm_bytes_per_step') or 0)} of buffers (message size: all-gather outputs, "
+            "reduce-scatter and all-reduce inputs)",
         ]
+        if s.get("comm_sent_bytes_per_step_ring") is not None:
+            lines.append(
+                f"  on the wire per step per rank: ~{mib(s['comm_sent_bytes_per_step_ring'])} sent and "
+                f"~{mib(s.get('comm_received_bytes_per_step_ring') or 0)} received (ring algorithms: (W-1)/W of "
+                "each buffer, 2 (W-1)/W of an all-reduce)"
+            )
     else:
         lines.append("  no training steps run" + (f" (resumed at step {start})" if start else ""))
     params, state = s.get("param_bytes_per_rank"), s.get("optimizer_state_bytes_per_rank")

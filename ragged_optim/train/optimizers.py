@@ -4,17 +4,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-import torch.nn as nn
-
-from ragged_optim.optim import SOAP, AdamW8bit, Muon, Shampoo, muon_param_groups
+if TYPE_CHECKING:  # torch and the optimizers are imported when one is built: `ragged-optim train --help` needs none
+    import torch
+    import torch.nn as nn
 
 # The optimizer `ragged-optim train` uses when --optimizer is not given.
 DEFAULT_OPTIMIZER = "muon"
 
 
 def _adamw(model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    import torch
+
     # foreach=False: the same per-param arithmetic on DTensor shards and on plain tensors.
     return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0, foreach=False)
 
@@ -23,22 +25,32 @@ def _muon(model: nn.Module, lr: float) -> torch.optim.Optimizer:
     # Hidden matrices get Muon at ``lr``; embeddings, head and 1-D params get AdamW at AdamW's default lr.
     # Newton-Schulz in bf16 on GPUs (torch.optim.Muon's choice); in fp32 on CPUs: without a bf16 GEMM, bf16 NS
     # runs as fp32 matmuls anyway (ns_matmul="auto"), so fp32 costs about the same and rounds less.
+    import torch
+
+    from ragged_optim.optim import Muon, muon_param_groups
+
     groups = muon_param_groups(model)
     ns_dtype = torch.bfloat16 if next(model.parameters()).is_cuda else torch.float32
     return Muon(groups, lr=lr, ns_dtype=ns_dtype, adamw_lr=OPTIMIZERS["adamw"].default_lr, adamw_betas=(0.9, 0.95))
 
 
 def _shampoo(model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    from ragged_optim.optim import Shampoo
+
     return Shampoo(model.parameters(), lr=lr)
 
 
 def _soap(model: nn.Module, lr: float) -> torch.optim.Optimizer:
     # The reference implementation's defaults (betas (0.95, 0.95), weight decay 0.01, a basis refresh every 10
     # steps); every matrix of the presets has fewer rows than max_preconditioner_dim, so each is one band.
+    from ragged_optim.optim import SOAP
+
     return SOAP(model.parameters(), lr=lr)
 
 
 def _adamw8bit(model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    from ragged_optim.optim import AdamW8bit
+
     return AdamW8bit(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
 
 
