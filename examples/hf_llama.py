@@ -1,7 +1,9 @@
 """A transformers LlamaForCausalLM, sharded with ragged-optim, trained with Muon under torchrun, saved with
 ``save_pretrained``.
 
-    torchrun --standalone --nproc-per-node 2 examples/hf_llama.py --steps 10 --out llama-tiny
+    ./dev torchrun --standalone --nproc-per-node 2 examples/hf_llama.py --steps 10 --out runs/llama-tiny
+
+(``./dev torchrun`` is .venv's torchrun; ``runs/`` is git-ignored.)
 
 The model is built from a config (a tiny one here; nothing is downloaded), with gradient checkpointing on: each
 decoder layer's forward runs again inside backward. Every rank builds the same weights (same seed), runs every

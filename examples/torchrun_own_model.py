@@ -1,8 +1,11 @@
 """Your own model, sharded with ragged-optim and trained under torchrun.
 
-    torchrun --standalone --nproc-per-node 3 examples/torchrun_own_model.py --optimizer muon --steps 20 --ckpt ckpt
-    torchrun --standalone --nproc-per-node 2 examples/torchrun_own_model.py --optimizer muon --steps 40 --ckpt ckpt \
-        --resume                                  # the same run, continued at another world size
+    ./dev torchrun --standalone --nproc-per-node 3 examples/torchrun_own_model.py --optimizer muon \
+        --ckpt runs/own-model-ckpt
+    ./dev torchrun --standalone --nproc-per-node 2 examples/torchrun_own_model.py --optimizer muon \
+        --ckpt runs/own-model-ckpt --resume --steps 40     # the same run, continued at another world size
+
+(``./dev torchrun`` is .venv's torchrun, run from the repository root; ``runs/`` is git-ignored.)
 
 torchrun starts one process per rank and sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; the script calls
 ``dist.init_process_group`` itself (gloo on CPUs, NCCL on GPUs). What every rank must do, or the job hangs or aborts
@@ -103,14 +106,18 @@ def weights_checksum(model: nn.Module) -> float:
     return sum(t.double().sum().item() for _, t in sorted(ro.get_full_state_dict(model).items()))
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--optimizer", choices=("muon", "shampoo", "adamw8bit"), default="muon")
     ap.add_argument("--steps", type=int, default=20, help="train until this step (default 20)")
     ap.add_argument("--batch-size", type=int, default=12, help="global rows per step, a multiple of the world size")
     ap.add_argument("--ckpt", default=None, help="checkpoint folder, written at the end (default: none)")
     ap.add_argument("--resume", action="store_true", help="load --ckpt first (at any world size)")
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
 
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend, timeout=datetime.timedelta(minutes=5))  # reads torchrun's environment

@@ -1,8 +1,9 @@
 """The examples in examples/ run as a user runs them: under torchrun, with 2-3 gloo ranks (one process each).
 
 Each torchrun launch costs ~10-20 s here (process start and imports), so the suite launches each example as few
-times as it can: the own-model example with Muon saves on 3 ranks and reloads on 2; Shampoo and AdamW8bit train
-and save once each on 2 ranks (their reload at other world sizes is in test_checkpoint.py)."""
+times as it can: the own-model example with Muon saves on 3 ranks and reloads on 2, with the README's two commands
+for it (through ``./dev torchrun``); Shampoo and AdamW8bit train and save once each on 2 ranks (their reload at
+other world sizes is in test_checkpoint.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+import readme_blocks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OWN_MODEL = os.path.join(ROOT, "examples", "torchrun_own_model.py")
@@ -33,15 +35,31 @@ def _floats(pattern: str, text: str) -> list[float]:
 
 
 def test_own_model_with_muon_saves_on_3_ranks_and_reloads_on_2(tmp_path):
+    """The README's two commands for this example, as written but for the checkpoint folder (tmp_path here): Muon
+    saves on 3 ranks, and the run resumes on 2."""
+    readme = readme_blocks.commands(["./dev", "torchrun"])
+    assert [c[c.index("--nproc-per-node") + 1] for c in readme] == ["3", "2"], readme
     ckpt = str(tmp_path / "ckpt")
-    first = torchrun(3, OWN_MODEL, "--optimizer", "muon", "--steps", "6", "--ckpt", ckpt)
+    runs = []
+    for argv in readme:
+        argv = [ckpt if i and argv[i - 1] == "--ckpt" else a for i, a in enumerate(argv)]
+        proc = subprocess.run(
+            [readme_blocks.DEV, *argv[1:]],
+            capture_output=True,
+            text=True,
+            timeout=240,
+            cwd=ROOT,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        runs.append(proc.stdout + proc.stderr)
+        assert proc.returncode == 0, f"{' '.join(argv)} exited {proc.returncode}:\n{runs[-1][-6000:]}"
+    first, second = runs
     evals = _floats(r"eval loss (\d+\.\d+)", first)
-    assert len(evals) >= 3 and evals[-1] < evals[0], first  # step 0, 5 and 6: it learned
-    (saved,) = _floats(r"step 6 on 3 ranks: weights checksum (\S+), saved", first)
-    second = torchrun(2, OWN_MODEL, "--optimizer", "muon", "--steps", "8", "--ckpt", ckpt, "--resume")
-    (loaded,) = _floats(r"resumed at step 6 on 2 ranks: weights checksum (\S+)", second)
+    assert len(evals) >= 3 and evals[-1] < evals[0], first  # step 0, 5, ..., 20: it learned
+    (saved,) = _floats(r"step 20 on 3 ranks: weights checksum (\S+), saved", first)
+    (loaded,) = _floats(r"resumed at step 20 on 2 ranks: weights checksum (\S+)", second)
     assert loaded == saved  # the checkpoint's weights, resharded from 3 ranks to 2, exactly
-    assert re.search(r"step 8 on 2 ranks: weights checksum", second), second
+    assert re.search(r"step 40 on 2 ranks: weights checksum", second), second
 
 
 @pytest.mark.parametrize("optimizer", ["shampoo", "adamw8bit"])
