@@ -38,3 +38,44 @@ def test_plan_table_explains_its_columns(capsys):
     header = text.splitlines()[1]
     for name, explanation in COLUMNS:
         assert name in header and explanation in text
+
+
+def test_first_setup_says_what_it_installs(tmp_path):
+    """A fresh machine's first `./dev`: each step and what it installs (the dependencies, read from
+    pyproject.toml), then how to call .venv's tools. Before it said only "setting up .venv (first run takes about a
+    minute)" and went quiet for that minute (checked: this test failed). The venv and pip are stand-ins here
+    (a real setup takes a minute and the network or wheel cache): a fake python3 first on PATH makes the venv
+    folder with a pip that records its arguments, and hands everything else to the real interpreter."""
+    import stat
+    import tomllib
+
+    venv, fakebin = tmp_path / "venv", tmp_path / "bin"
+    fakebin.mkdir()
+    real = sys.executable
+    script = os.path.join(os.path.dirname(real), "ragged-optim")
+    (fakebin / "python3").write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = "-m" ] && [ "$2" = "venv" ]; then\n'
+        '  mkdir -p "$3/bin"\n'
+        f"""  printf '#!/bin/sh\\necho "$*" >> "%s/pip.log"\\n' "$3" > "$3/bin/pip"\n"""
+        f"""  printf '#!/bin/sh\\nexec {real} "$@"\\n' > "$3/bin/python"\n"""
+        f'  ln -s {script} "$3/bin/ragged-optim"\n'
+        '  chmod +x "$3/bin/pip" "$3/bin/python"\n'
+        "  exit 0\n"
+        "fi\n"
+        f'exec {real} "$@"\n'
+    )
+    (fakebin / "python3").chmod(stat.S_IRWXU)
+    env = {**os.environ, "RO_VENV": str(venv), "PATH": f"{fakebin}:{os.environ['PATH']}"}
+    out = subprocess.run(["bash", os.path.join(ROOT, "dev"), "--help"], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    project = tomllib.loads(open(os.path.join(ROOT, "pyproject.toml")).read())["project"]
+    err = out.stderr
+    for step in ("[dev] 1/3 a virtual environment", "[dev] 2/3 torch==2.13.0", "[dev] 3/3 ragged-optim"):
+        assert step in err, err
+    for dep in project["dependencies"] + project["optional-dependencies"]["dev"]:
+        assert dep in err, (dep, err)
+    assert "./dev python, ./dev torchrun, ./dev pip" in err
+    pip = (venv / "pip.log").read_text().splitlines()
+    assert pip[0].startswith("install") and "torch==2.13.0" in pip[0] and "-e .[dev]" in pip[1], pip
+    assert (venv / ".ragged-optim-installed").exists() and "usage: ./dev" in out.stdout
