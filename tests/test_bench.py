@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from bench_keys import assert_keys_documented
 from noise_bounds import assert_within_reference
 
 from ragged_optim.bench import cli as bench_cli
@@ -57,6 +58,7 @@ def muon_result():
 def test_fsdp_keys_and_sanity(fsdp_result):
     r = fsdp_result
     assert FSDP_KEYS <= r.keys()
+    assert_keys_documented("fsdp", r)
     assert r["ours_step_s"] > 0 and r["fsdp2_step_s"] > 0
     assert math.isclose(r["step_time_ratio"], r["ours_step_s"] / r["fsdp2_step_s"])
     assert r["ours_collectives_per_step"] > 0 and r["fsdp2_collectives_per_step"] > 0
@@ -79,6 +81,7 @@ def test_fsdp_keys_and_sanity(fsdp_result):
 def test_muon_keys_and_sanity(muon_result):
     r = muon_result
     assert MUON_KEYS <= r.keys()
+    assert_keys_documented("muon", r)
     assert r["ours_opt_step_s"] > 0 and r["torch_muon_fsdp2_opt_step_s"] > 0
     # torch 2.13 (the pinned dev version) runs torch.optim.Muon on DTensors; a later torch that cannot would
     # report a one-line error here and fall back to _GatherFullMuon.
@@ -173,12 +176,14 @@ def test_loss_ratios_are_means_over_seeds_with_their_spread():
     from ragged_optim.bench import adamw8bit, comm
 
     c = comm.run(world_size=2, steps=2, preset="tiny", batch_size=4, seeds=2)
+    assert_keys_documented("comm", c)
     for name in ("int8", "bf16"):
         stats = c[f"loss_ratio_{name}_vs_fp32_seeds"]
         assert len(stats["per_seed"]) == 2 and stats["per_seed"][0] != stats["per_seed"][1]
         assert c[f"loss_ratio_{name}_vs_fp32"] == pytest.approx(sum(stats["per_seed"]) / 2)
         assert c[f"loss_ratio_{name}_vs_fp32_seed_std"] == stats["seed_std"] > 0
     a = adamw8bit.run(world_size=2, steps=2, torchao=False, seeds=2)
+    assert_keys_documented("adamw8bit", a)
     assert len(a["loss_ratio_vs_fp32_seeds"]["per_seed"]) == 2 and a["loss_ratio_vs_fp32_seed_std"] > 0
 
 
@@ -216,6 +221,7 @@ def test_peers_cli_json_with_a_missing_peer(monkeypatch, capsys):
     monkeypatch.setattr(peers, "_make", without_torchao)
     assert main(["bench", "peers", "--steps", "2", "--seeds", "2", "--families", "adamw8bit", "--json"]) == 0
     obj = json.loads(capsys.readouterr().out)
+    assert_keys_documented("peers", obj)
     assert list(obj["families"]) == ["adamw8bit"] and obj["seeds"] == [0, 1]
     rows = obj["families"]["adamw8bit"]
     assert rows["torchao AdamW8bit"]["status"] == "ImportError: No module named 'torchao'"
@@ -256,6 +262,7 @@ def test_memory_bench_keys_and_what_it_counts():
     from ragged_optim.bench.memory import CONFIGS, PHASES, run
 
     r = run(world_size=2, preset="tiny", configs=("adamw",))
+    assert_keys_documented("memory", r)
     assert CONFIGS == ("adamw", "muon", "adamw_ac")
     for key in ("ours_peak_bytes_adamw", "fsdp2_peak_bytes_adamw", "peak_ratio_vs_fsdp2_adamw", "init_peak_bytes"):
         assert r[key] > 0, key

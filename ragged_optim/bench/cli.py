@@ -211,7 +211,7 @@ def _description(name: str) -> str:
         doc = f"`bench {name}`: not available here."
     return (
         f"{doc}\n\nTypical time: {TYPICAL_TIME.get(name, 'not recorded')}.\n"
-        f"Every key of its JSON (--json): docs/benchmarks.md, section `bench {name}`."
+        f'Every key of its JSON (--json): docs/benchmarks.md, "JSON keys of each benchmark", `bench {name}`.'
     )
 
 
