@@ -192,11 +192,11 @@ TYPICAL_TIME = {
     "memory": "several minutes for its three configurations (4 ranks, a 54M-param GPT; the Muon configuration alone "
     "ran with a 2600 s timeout); not timed end to end",
     "muon": "about 45 s (4 ranks, docs/benchmarks.md)",
-    "shampoo": "not recorded (3 steps of 10 matrices on 4 ranks)",
-    "soap": "not recorded (5 steps of 10 matrices on 4 ranks)",
+    "shampoo": "17 s (4 ranks; 2026-12-02, load average 5-7 from other jobs)",
+    "soap": "17 s (4 ranks; 2026-12-02, load average 6-8 from other jobs)",
     "adamw8bit": "not recorded (3 seeds x 100 steps of the tiny GPT, torchao's side on FSDP2 as well)",
     "comm": "not recorded (3 configurations x 3 seeds of the small GPT on 4 ranks)",
-    "hsdp": "not recorded (2 runs of the small GPT on 4 ranks)",
+    "hsdp": "67 s (4 ranks, 2 x 6 steps of the small GPT; 2026-12-02, load average 8-10 from other jobs)",
     "peers": "about 15 min per family alone on the machine (muon: 803-916 s, docs/benchmarks.md), over an hour for "
     "all four families (3 seeds x 300 steps each; one process)",
 }
