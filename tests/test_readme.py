@@ -7,13 +7,17 @@ as ro` and lacked torch's `step(closure=None)`, so torch's `get_state_dict` fail
 tests failed on the README before).
 
 Python blocks: each is a script whose first line names its file and the command that runs it; it is saved under
-that name in an empty folder and run with that command (``./dev`` by its path). An excerpt would instead be
-labelled ``Excerpt of [`PATH`](PATH)`` and each of its lines checked to be in that file; the README has none now.
+that name in an empty folder and run with that command (``./dev`` by its path). A ``./dev python NAME.py`` script
+runs in this process instead (``runpy``, a fresh namespace: a missing import still fails; it saves an interpreter
+start and torch's import). An excerpt would instead be labelled ``Excerpt of [`PATH`](PATH)`` and each of its
+lines checked to be in that file; the README has none now.
 
 Bash blocks, command by command (a command this file does not know fails the test, so a new one gets checked):
-- run as written: ``./dev --help``, ``./dev plan ...`` (2 s each);
+- run as written: ``./dev --help`` (through ./dev), ``./dev plan ...`` (what ./dev runs, ``ragged-optim plan
+  ...``, in this process: a second each);
 - parsed only (each runs minutes): ``./dev train ...`` and ``./dev bench ...`` by the command line's own parser
-  and ``TrainConfig.validate``; ``./dev test FILE ...`` collects FILE (``--collect-only``);
+  and ``TrainConfig.validate``; ``./dev test FILE ...``: FILE exists (``./dev test FILE -q`` itself is run by
+  tests/test_dev_script.py);
 - ``./dev test`` alone is the suite this file is part of (CI runs it, ``.ci/run``);
 - ``./dev torchrun ... examples/torchrun_own_model.py ...``: run by tests/test_examples.py, which takes its
   commands from the README (one launch per command, shared with that test); parsed here by the example's parser.
@@ -21,9 +25,12 @@ Bash blocks, command by command (a command this file does not know fails the tes
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import os
 import re
+import runpy
 import subprocess
 
 import pytest
@@ -70,9 +77,13 @@ def test_every_python_block_is_a_script_or_a_labelled_excerpt():
 
 
 @pytest.mark.parametrize("block", [b for b in _python_blocks() if b.script()], ids=lambda b: b.script()[0])
-def test_python_block_runs_as_written(block, tmp_path):
+def test_python_block_runs_as_written(block, tmp_path, monkeypatch):
     name, command = block.script()
     (tmp_path / name).write_text(block.code + AFTERWARDS.get(name, ""))
+    if command.split() == ["./dev", "python", name]:
+        monkeypatch.chdir(tmp_path)
+        runpy.run_path(name, run_name="__main__")
+        return
     out = _run(_dev(command.split()), cwd=str(tmp_path))
     if name == "my_train.py":  # it trained (the loss fell) and saved its checkpoint where it says
         losses = [float(v) for v in re.findall(r"val loss (\d+\.\d+)", out)]
@@ -126,7 +137,15 @@ def test_every_bash_command_runs_or_parses():
     for argv in examples:
         parse_example(argv[argv.index("examples/torchrun_own_model.py") + 1 :])
     assert examples == commands(["./dev", "torchrun"])  # what test_examples.py runs
+    from ragged_optim.cli import main
+
     for argv in run:
-        _run(_dev(argv), cwd=ROOT, timeout=120)
+        if argv[1:2] == ["plan"]:
+            with contextlib.redirect_stdout(io.StringIO()) as out:
+                assert main(argv[1:]) == 0, argv
+            assert out.getvalue().startswith("model ") or out.getvalue().startswith("{"), out.getvalue()[:200]
+        else:
+            _run(_dev(argv), cwd=ROOT, timeout=120)
     for argv in collected:
-        _run([*_dev(argv), "--collect-only", "-p", "no:cacheprovider"], cwd=ROOT, timeout=120)
+        files = [a for a in argv[2:] if not a.startswith("-")]
+        assert files and all(os.path.isfile(os.path.join(ROOT, f)) for f in files), argv
