@@ -7,7 +7,9 @@
 #   3. times Triton vs the torch reference vs torchao / bitsandbytes 8-bit AdamW (benchmarks/kernels_gpu_bench.py);
 #   4. a training step at world size 1 on CUDA with NCCL under torch.cuda.set_sync_debug_mode("error") after
 #      warm-up, for every optimizer, and AdamW parity with one process (benchmarks/cuda_step_check.py);
-#   5. `bench memory` and `bench fsdp` on CUDA at world size 1 (NCCL), ours against torch FSDP2.
+#   5. `bench memory` and `bench fsdp` on CUDA at world size 1 (NCCL), ours against torch FSDP2; `memory_ratios`
+#      holds bench memory's peak_ratio_vs_fsdp2_{adamw,muon,adamw_ac} (torch.cuda.max_memory_allocated on CUDA,
+#      the same keys the CPU bench computes from its exact allocator count) and init_peak_over_bound.
 # Prints one JSON line on stdout; progress goes to stderr. Exit 0 only if the tests pass, Triton == reference at
 # full size and the step check passes (timings that a timeout cut short are reported as far as they got).
 # Without a GPU it exits 2 at once with {"ok": false, "error": "..."}.
@@ -121,7 +123,9 @@ def parsed(text, what):
 bench, step = parsed(sys.argv[3], "benchmark"), parsed(sys.argv[5], "step check")
 memory, fsdp = parsed(sys.argv[6], "bench memory"), parsed(sys.argv[7], "bench fsdp")
 ok = test_rc == 0 and bool(bench.get("ok")) and bool(step.get("ok"))
+# the ratios the CPU bench reports (there from the exact allocator count), here from max_memory_allocated
+ratios = {k: v for k, v in memory.items() if k.startswith("peak_ratio_vs_fsdp2_") or k == "init_peak_over_bound"}
 print(json.dumps({"ok": ok, "tests": {"rc": test_rc, "summary": summary}, "bench": bench, "step_check": step,
-                  "bench_memory": memory, "bench_fsdp": fsdp, "seconds": int(sys.argv[4])}))
+                  "memory_ratios": ratios, "bench_memory": memory, "bench_fsdp": fsdp, "seconds": int(sys.argv[4])}))
 sys.exit(0 if ok else 1)
 EOF

@@ -12,10 +12,12 @@ whatever thread that runs, under one mutex; the inner allocator still does the w
 profiler, which therefore keeps working for attribution).
 
 What it counts: storages (and ``raw_allocate`` buffers, e.g. oneDNN's through ideep) allocated after
-:func:`install`; memory allocated before it is neither counted nor subtracted when freed. What it does not see:
-memory that does not go through the CPU allocator (``torch.from_numpy`` and other foreign buffers, shared-memory
-and file-mapped storages, pinned host memory, CUDA), nor malloc calls of libraries outside torch's allocator
-(gloo's transport buffers, oneDNN's own scratch when it does not ask torch).
+:func:`install`, and their resizes; memory allocated before it is neither counted nor subtracted when freed. What it
+does not see: memory that does not go through the current CPU allocator: Python's ``torch.UntypedStorage(n)``
+constructor (it asks for torch's default CPU allocator by name; ``torch.empty`` and every op go through the current
+one), ``torch.from_numpy`` and other foreign buffers, shared-memory and file-mapped storages, pinned host memory,
+CUDA; nor malloc calls of libraries outside torch's allocator (gloo's transport buffers, oneDNN's own scratch when it
+does not ask torch). torch's CPU caching allocator is used only by its static runtime, not by eager code.
 
 Beside the count it keeps the moment of the peak (an event sequence number and the phase that Python last set with
 :func:`set_phase`), and while recording (:func:`start_recording`) a log of events that gives the allocations live at
@@ -31,6 +33,7 @@ import hashlib
 import importlib.machinery
 import importlib.util
 import os
+import shutil
 import sys
 import threading
 from dataclasses import dataclass
@@ -308,6 +311,24 @@ def _name() -> str:
     return "ro_alloc_counter_" + hashlib.sha256(tag.encode()).hexdigest()[:16]
 
 
+def _put_ninja_on_path() -> None:
+    """cpp_extension runs ``ninja`` from PATH; the pip package's (the dev extras') is in the venv's bin folder,
+    which is not on PATH when the venv's python is run without activating it."""
+    if shutil.which("ninja"):
+        return
+    dirs = [os.path.dirname(sys.executable)]
+    try:
+        import ninja
+
+        dirs.insert(0, ninja.BIN_DIR)
+    except (ImportError, AttributeError):
+        pass
+    for d in dirs:
+        if os.path.exists(os.path.join(d, "ninja")):
+            os.environ["PATH"] = d + os.pathsep + os.environ.get("PATH", "")
+            return
+
+
 def _import_built(name: str, path: str):
     loader = importlib.machinery.ExtensionFileLoader(name, path)
     spec = importlib.util.spec_from_file_location(name, path, loader=loader)
@@ -333,6 +354,7 @@ def native():
             return _module
         from torch.utils import cpp_extension
 
+        _put_ninja_on_path()
         try:
             cpp_extension.verify_ninja_availability()
         except RuntimeError:

@@ -2,14 +2,14 @@
 
 On CPU the figure is exact: :mod:`ragged_optim.alloc_counter` wraps torch's CPU allocator and counts every
 allocation and every free of CPU storage, on whichever thread it happens (a gloo worker thread drops the last
-reference to a finished collective's tensors, and allocates an all-gather's flat output itself: torch's profiler
-hears neither). On CUDA, ``torch.cuda.max_memory_allocated`` is the figure. Tensors alive before the call count as
-the baseline.
+reference to a finished collective's tensors after the profiler's thread-local state is gone: torch's profiler
+never hears those frees). On CUDA, ``torch.cuda.max_memory_allocated`` is the figure. Tensors alive before the
+call count as the baseline.
 
 torch's profiler stays for attribution (which op allocated what is live at a peak: :func:`sites_at_peak`) and for
 the record of what a profiler-only count says (:func:`allocation_timeline`, :func:`step_boundary_bytes`): its
 running total only moves for allocator calls on threads that carry the profiler's thread-local state, so frees on
-collective worker threads are missed (the total drifts up) and allocations there are missed too.
+collective worker threads outside a work's run are missed (the total drifts up).
 """
 
 from __future__ import annotations
@@ -68,44 +68,82 @@ _ALLOCATING_OPS = ("aten::empty", "aten::new_empty", "aten::resize_", "aten::emp
 _REGIONS = ("FSDP::", "gloo:", "## ", "autograd::engine::evaluate_function: ")
 
 
-def _frame(name: str) -> str | None:
-    """``path:line function`` of a Python frame event (``with_stack=True``) of this library or of torch's FSDP,
-    the code whose memory is compared; None for other frames."""
+def event_name(node) -> str:
+    """A profiler event's name; with ``with_stack=True`` torch 2.13 sometimes records a Python event whose name is
+    not UTF-8 (reading it raises UnicodeDecodeError): such a name reads as ``"?"``."""
+    try:
+        return node.name
+    except UnicodeDecodeError:
+        return "?"
+
+
+#: Python frames a site never names: wrappers and launchers between the user's call and the code that allocated.
+_PLUMBING = (
+    "torch/nn/modules/module.py",
+    "torch/autograd/",
+    "torch/utils/",
+    "torch/_tensor.py",
+    "torch/distributed/c10d_logger.py",
+    "torch/distributed/distributed_c10d.py",
+    "torch/optim/optimizer.py",
+    "comm/launch.py",
+    "/bench/",
+    "multiprocessing/",
+    "threading.py",
+)
+
+
+def _frame(name: str) -> tuple[int, str] | None:
+    """``(rank, "path:line function")`` of a Python frame event (``with_stack=True``): rank 0 for this library's
+    runtime or torch's FSDP (the code whose memory is compared), 1 for other code that is not plumbing; None for
+    plumbing."""
     path, _, rest = name.partition("(")
     line, _, func = rest.partition("): ")
-    ours = any(f"/{d}/" in path for d in ("sharding", "comm", "kernels", "ragged_optim")) and "/bench/" not in path
-    if not (ours or "torch/distributed/fsdp/" in path):
+    if any(p in path for p in _PLUMBING):
         return None
+    ours = any(f"/{d}/" in path for d in ("sharding", "comm", "kernels", "ragged_optim"))
     short = "/".join(path.split("/")[-2:])
-    return f"{short}:{line} {func}"
+    return (0 if ours or "torch/distributed/fsdp/" in path else 1), f"{short}:{line} {func}"
+
+
+def _builtin(name: str) -> str:
+    """``torch.empty`` for "<built-in method empty of type object at ...>", ``resize_ of X`` for a method of X."""
+    words = name.split()
+    if len(words) < 3:
+        return name
+    if len(words) > 4 and words[3] == "of":
+        return f"torch.{words[2]}" if words[4] == "type" else f"{words[2]} of {words[4]}"
+    return words[2].rstrip(">")
 
 
 def _site(node) -> str:
     """``op @ frame in region`` for a profiler allocation event: the innermost op above it that is not a bare
     allocation, the innermost Python frame of this library or FSDP2 (profiles taken ``with_stack=True``), and the
     innermost named region (an FSDP2 record_function, a gloo work, a bench phase, a backward node)."""
-    op = frame = region = None
+    op = region = None
+    frame: tuple[int, str] | None = None
     first = None
     parent = node.parent
     while parent is not None:
-        name = parent.name
+        name = event_name(parent)
         if ".py(" in name:
-            frame = frame or _frame(name)
+            f = _frame(name)
+            if f is not None and (frame is None or f[0] < frame[0]):
+                frame = f
         elif name.startswith(_REGIONS):
             region = region or name.replace("autograd::engine::evaluate_function: ", "")
         elif name.startswith("<built-in"):  # "<built-in method resize_ of torch.storage.UntypedStorage object ...>"
-            words = name.split()
-            op = op or (words[2] + (f" of {words[4]}" if len(words) > 4 and words[3] == "of" else ""))
+            op = op or _builtin(name)
         else:
             first = first or name
             if op is None and not name.startswith(_ALLOCATING_OPS):
                 op = name
-        if frame is not None and region is not None and op is not None:
+        if frame is not None and frame[0] == 0 and region is not None and op is not None:
             break
         parent = parent.parent
     out = op or first or "(outside any op)"
     if frame:
-        out += f" @ {frame}"
+        out += f" @ {frame[1]}"
     if region and region != op:
         out += f" in {region}"
     return out
@@ -187,13 +225,14 @@ def step_boundary_bytes(prof, t_ns: int) -> int:
         stack = [(root, False)]
         while stack:
             node, in_c10d = stack.pop()
-            in_c10d = in_c10d or node.name.startswith("c10d::")
+            name = event_name(node)
+            in_c10d = in_c10d or name.startswith("c10d::")
             stack.extend((child, in_c10d) for child in node.children)
             if node.start_time_ns >= t_ns:
                 continue
             if node.tag == torch._C._profiler._EventType.Allocation:
                 allocs.append((node.start_time_ns, node.extra_fields.ptr, node.extra_fields.alloc_size, in_c10d))
-            elif node.name.startswith("c10d::") and ("allgather" in node.name or "reduce_scatter" in node.name):
+            elif name.startswith("c10d::") and ("allgather" in name or "reduce_scatter" in name):
                 out = next((i for i in node.extra_fields.inputs if hasattr(i, "storage_data_ptr")), None)
                 if out is not None:
                     written.append((node.start_time_ns, out.storage_data_ptr))

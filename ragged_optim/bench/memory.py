@@ -2,10 +2,11 @@
 
 Per configuration (AdamW; Muon against torch.optim.Muon + AdamW on FSDP2; AdamW with activation checkpointing on
 both sides), every rank builds, shards and trains each side for two steps. On CPU the bytes are counted exactly by
-:mod:`ragged_optim.alloc_counter` (every allocation and free of CPU storage, whichever thread frees it; a gloo
-worker thread frees a finished collective's copies and allocates an all-gather's flat output itself), with a
-``torch.profiler`` memory trace beside it for attribution (the sites live at the peak) and for what a
-profiler-only count says (``*_profiler_peak_bytes``: its running total misses those worker-thread calls). On CUDA
+:mod:`ragged_optim.alloc_counter` (every allocation and free of CPU storage, whichever thread frees it: a gloo
+worker thread drops a finished collective's tensors, gloo's copy of a reduce-scatter's whole input among them,
+after the profiler's thread-local state is gone), with a ``torch.profiler`` memory trace beside it for attribution
+(the sites live at the peak) and for what a profiler-only count says (``*_profiler_peak_bytes``: its running total
+never hears those frees, so it drifts up). On CUDA
 the figure is ``torch.cuda.max_memory_allocated``. The figure is the largest number of bytes allocated at any
 moment of the second step (forward, backward, optimizer step; optimizer state exists by then), above what was
 allocated before the model was built, counting everything alive then: shards, optimizer state, gradients, gathered
@@ -27,7 +28,14 @@ from ragged_optim import alloc_counter
 from ragged_optim.bench.common import rank_device
 from ragged_optim.comm.launch import run_on_ranks
 from ragged_optim.data import get_batch
-from ragged_optim.memory import allocation_timeline, peak_bytes, settle, sites_at_peak, step_boundary_bytes
+from ragged_optim.memory import (
+    allocation_timeline,
+    event_name,
+    peak_bytes,
+    settle,
+    sites_at_peak,
+    step_boundary_bytes,
+)
 from ragged_optim.models import GPT, build_model, get_config, num_params
 from ragged_optim.sharding import init_weights, units_of
 from ragged_optim.train import shard_model
@@ -101,11 +109,13 @@ def _train_and_measure_cuda(cfg, kind, side, batches, device) -> dict:
 
 def _train_and_measure(cfg, kind, side, batches, device="cpu", stacks: bool = False) -> dict:
     """The exact count's peak of step 2 above the bytes allocated before the model was built, the level when step 2
-    starts (after the collective workers have let go of step 1's tensors: :func:`ragged_optim.memory.settle`), the
-    phase of the peak and the sites live then; beside them, the profiler-only figures as this bench computed them
-    before the exact count (the peak of the profiler's running total inside step 2, or the allocation events alive
-    at its start less what a collective backend's worker may hold: :func:`ragged_optim.memory.step_boundary_bytes`).
-    ``stacks``: profile with Python stacks, so that sites name the runtime's own lines (slower)."""
+    starts (once no allocation or free has happened for a moment: :func:`ragged_optim.memory.settle`; a gloo worker
+    keeps its last finished work, and that work's tensors, until it picks up the next one, so they count: they are
+    alive), the phase of the peak and the sites live then; beside them, the profiler-only figures as this bench
+    computed them before the exact count (the peak of the profiler's running total inside step 2, or the allocation
+    events alive at its start less what a collective backend's worker may hold:
+    :func:`ragged_optim.memory.step_boundary_bytes`), and the bytes the profiler heard allocated but not freed over
+    the whole trace (its drift). ``stacks``: profile with Python stacks, so that sites name the runtime's lines."""
     from torch.profiler import ProfilerActivity, profile
 
     if torch.device(device).type == "cuda":
@@ -113,7 +123,8 @@ def _train_and_measure(cfg, kind, side, batches, device="cpu", stacks: bool = Fa
     alloc_counter.install()
     gc.collect()  # garbage of an earlier measurement freed inside this trace would read as negative bytes
     settle()
-    base, base_seq = alloc_counter.current(), alloc_counter.stats().seq
+    before = alloc_counter.stats()
+    base, base_seq = before.current, before.seq
     alloc_counter.start_recording()  # before the profile: every event it hears is in the counter's log
     try:
         with profile(
@@ -125,7 +136,6 @@ def _train_and_measure(cfg, kind, side, batches, device="cpu", stacks: bool = Fa
             start_seq = alloc_counter.stats().seq
             start = alloc_counter.current() - base
             alloc_counter.reset_peak()
-            unheard0 = alloc_counter.stats().unheard_free_bytes
             with torch.profiler.record_function(_MARK):
                 _step(model, opts, *batches[1], phases=True)
             st = alloc_counter.stats()
@@ -145,7 +155,7 @@ def _train_and_measure(cfg, kind, side, batches, device="cpu", stacks: bool = Fa
         "peak_sites": sites,
         "profiler_peak": max(inside + [profiler_level]),
         "profiler_level_before_step2": profiler_level,
-        "unheard_free_bytes": st.unheard_free_bytes - unheard0,
+        "unheard_free_bytes": st.unheard_free_bytes - before.unheard_free_bytes,
     }
 
 
@@ -154,7 +164,7 @@ def _window(prof, name: str) -> tuple[int, int]:
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
         node = stack.pop()
-        if node.name == name:
+        if event_name(node) == name:
             return node.start_time_ns, node.end_time_ns
         stack.extend(node.children)
     raise RuntimeError(f"bench memory: the profile has no {name!r} region")
