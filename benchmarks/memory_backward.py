@@ -3,13 +3,13 @@ torch FSDP2 on the `bench memory` GPT, counted exactly (ragged_optim.alloc_count
 
 Step 2 is cut into intervals at the moments the gradient of each block's output is ready (the block's backward
 starts then), plus the forward and the optimizer step; each interval reports the exact peak above the bytes
-allocated before the model was built, the bytes allocated when it ends, and the top sites live at its peak
-(``held:`` marks allocations made before step 2: shards, optimizer state). Rank 0's figures.
+allocated before the model was built, the bytes allocated when it ends, and the top sites live at its peak and at
+its end (``held:`` marks allocations made before step 2: shards, optimizer state). Rank 0's figures.
 
     .venv/bin/python benchmarks/memory_backward.py [--preset bench20m] [--world-size 4] [--kind adamw] [--stacks]
 
 ``--stacks`` records Python stacks, so that sites name the runtime's lines (several times slower). Prints one JSON
-object: {side: [{"interval", "peak_bytes", "end_bytes", "sites"}, ...]}.
+object: {side: [{"interval", "peak_bytes", "end_bytes", "sites", "end_sites"}, ...]}.
 """
 
 from __future__ import annotations
@@ -36,10 +36,10 @@ def _side(cfg, kind, side, batches, stacks, top):
     gc.collect()
     settle()
     before = alloc_counter.stats()
-    marks = []  # (interval name, (peak, peak_seq, phase) of the interval that ends here, bytes now)
+    marks = []  # (interval name, (peak, peak_seq, phase) of the interval that ends here, counter stats now)
 
     def mark(name):
-        marks.append((name, alloc_counter.reset_peak(), alloc_counter.current()))
+        marks.append((name, alloc_counter.reset_peak(), alloc_counter.stats()))
 
     alloc_counter.start_recording()
     try:
@@ -78,11 +78,18 @@ def _side(cfg, kind, side, batches, stacks, top):
     finally:
         alloc_counter.stop_recording()
     out = []
-    for (name, (peak, peak_seq, _), now), prev in zip(marks[1:], marks[:-1]):
-        del prev
-        sites = sites_at_peak(prof, peak_seq, top=top, base_seq=before.seq, held_seq=start_seq)
+    for name, (peak, peak_seq, _), now in marks[1:]:
+        at_peak, at_end = (
+            sites_at_peak(prof, seq, top=top, base_seq=before.seq, held_seq=start_seq) for seq in (peak_seq, now.seq)
+        )
         out.append(
-            {"interval": name, "peak_bytes": peak - before.current, "end_bytes": now - before.current, "sites": sites}
+            {
+                "interval": name,
+                "peak_bytes": peak - before.current,
+                "end_bytes": now.current - before.current,
+                "sites": at_peak,
+                "end_sites": at_end,
+            }
         )
     del model, opts, prof
     gc.collect()

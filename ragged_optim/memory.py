@@ -88,6 +88,7 @@ _PLUMBING = (
     "torch/optim/optimizer.py",
     "comm/launch.py",
     "/bench/",
+    "/benchmarks/",
     "multiprocessing/",
     "threading.py",
 )

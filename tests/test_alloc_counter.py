@@ -134,7 +134,7 @@ def _reachable_cpu_storages() -> dict[int, int]:
     gc.collect()
     out = {}
     for obj in gc.get_objects():
-        if not isinstance(obj, torch.Tensor):
+        if not issubclass(type(obj), torch.Tensor):  # (isinstance would touch deprecated module attributes)
             continue
         for t in (obj, obj.grad if obj.is_leaf else None):
             if t is None or t.device.type != "cpu" or t.layout != torch.strided:
