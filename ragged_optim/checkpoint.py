@@ -54,7 +54,7 @@ from torch.distributed.tensor import DTensor
 from ragged_optim.optim.blocks import BlockOptimizer
 from ragged_optim.sharding import shard_info
 from ragged_optim.sharding.ragged_dtensor import RaggedDTensor
-from ragged_optim.sharding.sharded_param import full_shape
+from ragged_optim.sharding.sharded_param import full_shape, local_of
 from ragged_optim.sharding.state_dict import (
     _block_ranges,
     _ranges,
@@ -169,7 +169,8 @@ def _agree(error: str | None) -> None:
 
 
 def _is_dtensor(t) -> bool:
-    return hasattr(t, "to_local") and hasattr(t, "placements")
+    """A torch DTensor (FSDP2's params and state), not a ragged-sharded param (a DTensor laid out by its unit)."""
+    return hasattr(t, "to_local") and hasattr(t, "placements") and shard_info(t) is None
 
 
 def _describe_failure(e: BaseException) -> str:
@@ -262,8 +263,8 @@ def state_kind(p: torch.Tensor, key: str, value: Any, group: dict) -> str:
         return "replicated"
     if key.endswith("_scales") and "block_size" in group:
         return "block"
-    if value.dim() >= 1 and value.shape == p.shape:
-        return "elem"
+    if isinstance(value, RaggedDTensor) or (value.dim() >= 1 and value.shape == p.to_local().shape):
+        return "elem"  # (a torch optimizer's state of a ragged param is a RaggedDTensor, like the param)
     return "replicated"
 
 
@@ -680,7 +681,7 @@ def _optim_request(path, opt, p, fqn: str, group: dict, stored: dict, request: d
             lo, hi = _block_ranges(_ranges(info), bs)[info.unit.rank]
             request[key] = sharded_dtensor(torch.empty(hi - lo, dtype=dtype, device=p.device), info, block_size=bs)
         elif info is not None and per_element_state(rest, size, info.shape):
-            request[key] = sharded_dtensor(torch.empty(p.numel(), dtype=dtype, device=p.device), info)
+            request[key] = sharded_dtensor(torch.empty(p.to_local().numel(), dtype=dtype, device=p.device), info)
         else:  # a step counter stays on the CPU, as the optimizers keep it (on a GPU: no sync per read)
             device = "cpu" if rest == "step" and size == () else p.device
             request[key] = torch.empty(size, dtype=dtype, device=device)
@@ -854,7 +855,7 @@ def get_full_optimizer_state_dict(model: nn.Module, opt: torch.optim.Optimizer) 
                     merged.update(part)
                 out[key] = dict(sorted(merged.items()))
             elif kind == "elem":
-                out[key] = info.unit.gather_full(info.index, v.detach()).reshape(info.shape).cpu()
+                out[key] = info.unit.gather_full(info.index, local_of(v).detach()).reshape(info.shape).cpu()
             else:  # block
                 lo, _ = info.local_range
                 parts = _gather_objects((lo // group["block_size"], v.detach().cpu()))
@@ -908,7 +909,7 @@ def check_optimizer_state_dict(opt: torch.optim.Optimizer, state_dict: dict[str,
             st = state_dict.get("state", {}).get(ids[starts[gi] + i])
             fsdp2 = isinstance(p, DTensor) and shard_info(p) is None
             # an FSDP2 param's state is its local rows (8-bit codes: its blocks, which AdamW8bit checks itself)
-            here = p.to_local().numel() if fsdp2 else p.numel()
+            here = p.to_local().numel() if fsdp2 or shard_info(p) is not None else p.numel()
             for key, v in (st or {}).items():
                 if not isinstance(v, torch.Tensor) or v.dim() == 0 or key.endswith("_scales"):
                     continue

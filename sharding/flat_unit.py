@@ -27,7 +27,8 @@ from ragged_optim.comm.quantized import quantized_all_gather, quantized_reduce_s
 from ragged_optim.sharding.comm_policy import CommPolicy
 from ragged_optim.sharding.layout import BlockSpec, Layout
 from ragged_optim.sharding.planner import TensorSpec, plan_unit
-from ragged_optim.sharding.sharded_param import _INFO_ATTR, ShardInfo
+from ragged_optim.sharding.ragged_dtensor import RaggedDTensor, build_ragged, normalize_ranges
+from ragged_optim.sharding.sharded_param import _INFO_ATTR, ShardInfo, local_of
 from ragged_optim.sharding.streams import NO_STREAMS
 
 ALIGNMENT_BYTES = 16
@@ -82,7 +83,7 @@ class FlatUnit:
                     self._local_slice(i).copy_(p.detach().reshape(-1)[lo:hi])
         self.sharded_params = []
         for i, p in enumerate(params):
-            sp = nn.Parameter(self._local_slice(i), requires_grad=p.requires_grad)
+            sp = nn.Parameter(self.as_ragged(self._local_slice(i), i), requires_grad=p.requires_grad)
             setattr(sp, _INFO_ATTR, ShardInfo(self, i, names[i]))
             self.sharded_params.append(sp)
         self._sharded_grad = None  # weakref to the [S] master-dtype buffer of the sharded grads
@@ -138,6 +139,21 @@ class FlatUnit:
 
     def _local_slice(self, i: int) -> torch.Tensor:
         return self._shard_view(self.local_shard, i)
+
+    def _ranges(self, i: int) -> list[tuple[int, int]]:
+        return [self.layout.local_range(r, i) for r in range(self.world_size)]
+
+    def as_ragged(self, view: torch.Tensor, i: int) -> RaggedDTensor:
+        """``view`` (this rank's elements of tensor i, a view into an S-element buffer) as the full-shape DTensor
+        users see: a sharded param's data, its grad. No copy: the DTensor's local tensor is ``view``."""
+        # (not detached: the view keeps its buffer object alive, which the unit holds only weakly for the grads)
+        return build_ragged(view, self.layout.shapes[i], self._ranges(i), self.rank, self.group)
+
+    def _repoint(self, sp: nn.Parameter, i: int) -> None:
+        """Make the sharded param ``sp`` (tensor i) hold its slice of the current local shard and layout (the same
+        object: optimizers and modules keep holding it)."""
+        sp._local_tensor = self._local_slice(i)
+        sp._ragged_ranges = normalize_ranges(self._ranges(i))
 
     def _full_slice(self, buf: torch.Tensor, i: int) -> torch.Tensor:
         off = self.layout.offsets[i]
@@ -217,13 +233,14 @@ class FlatUnit:
             old_grads = torch.zeros(old_layout.shard_size, dtype=self.dtype, device=self.device)
             for i, sp in enumerate(self.sharded_params):
                 if sp.grad is not None:
-                    self._shard_view(old_grads, i).copy_(sp.grad)
+                    self._shard_view(old_grads, i).copy_(local_of(sp.grad))
         self.layout = layout
         self.local_shard = self._redistribute(old_layout, old_shard, self.layout)
         grads = self._redistribute(old_layout, old_grads, self.layout) if old_grads is not None else None
         for i, sp in enumerate(self.sharded_params):
-            sp.data = self._local_slice(i)
-            sp.grad = self._shard_view(grads, i) if had[i] else None
+            sp.grad = None  # (a grad of the old layout would not fit the param's new ranges)
+            self._repoint(sp, i)
+            sp.grad = self.as_ragged(self._shard_view(grads, i), i) if had[i] else None
         self._sharded_grad = weakref.ref(grads) if grads is not None else None
         self.is_unsharded, self.stale = False, True
         self._build_unsharded_params()
@@ -306,7 +323,7 @@ class FlatUnit:
                     "low-precision compute keep the params in fp32 and pass "
                     "mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)"
                 )
-            if sp.untyped_storage().data_ptr() != shard_ptr:
+            if local_of(sp).untyped_storage().data_ptr() != shard_ptr:
                 raise RuntimeError(
                     f"param {self._label(i)} no longer lives in fully_shard's flat buffer: its .data was replaced "
                     "after fully_shard, and training would ignore the new tensor. Change params in place "
@@ -359,13 +376,14 @@ class FlatUnit:
             self.device = new.device
             for i, sp in enumerate(self.sharded_params):
                 view = self._local_slice(i)
-                if torch._has_compatible_shallow_copy_type(sp, view):
-                    sp.data = view
+                if sp.device == view.device:
+                    self._repoint(sp, i)
                     continue
                 # meta -> a real device: the same Parameter object with the new tensor swapped in (as FSDP2 keeps
                 # its params), so that an optimizer built before to_empty still holds the model's params; before,
                 # a new object replaced it and a torch optimizer built earlier silently trained nothing
-                attrs, new_sp = dict(sp.__dict__), nn.Parameter(view, requires_grad=sp.requires_grad)
+                attrs = dict(sp.__dict__)
+                new_sp = nn.Parameter(self.as_ragged(view, i), requires_grad=sp.requires_grad)
                 try:
                     torch.utils.swap_tensors(sp, new_sp)  # (swaps the objects' __dict__ too: put ours back)
                 except RuntimeError:  # a weak reference to it, which swapping would break: a new object
@@ -383,7 +401,7 @@ class FlatUnit:
                 self._sharded_grad = weakref.ref(grads)
                 for i, sp in enumerate(self.sharded_params):
                     if sp.grad is not None:
-                        sp.grad = self._shard_view(grads, i)
+                        sp.grad = self.as_ragged(self._shard_view(grads, i), i)
             self.pending_gather = self.pending_reduce = None
             self.is_unsharded, self.stale = False, True
             self.drop_grad_buffers()
@@ -418,7 +436,7 @@ class FlatUnit:
                 after=after,
             )
         self.pending_gather = (work, src, version, event)
-        self.gathered_from = self.local_shard._version  # (in-place updates of the shard bump it: see stale_since)
+        self.gathered_from = self._shard_version()
 
     def wait_unshard(self):
         self.start_unshard()
@@ -432,12 +450,18 @@ class FlatUnit:
             # (at issue or at completion), so restore it once the data is in.
             torch._C._autograd._unsafe_set_version_counter((self.unsharded,), (version,))
 
+    def _shard_version(self) -> tuple:
+        """What in-place writes to the shard bump: the flat shard's version counter (writes to local pieces, as our
+        optimizers make) and each sharded param's own (writes through the DTensor, as torch's optimizers make:
+        those run below autograd on the pieces, where no counter is bumped)."""
+        return self.local_shard._version, tuple(sp._version for sp in self.sharded_params)
+
     def mark_stale(self, *, unless_unchanged: bool = False) -> None:
         """At an iteration's start the gathered data may be out of date (an optimizer step changed the shard).
         ``unless_unchanged`` (a unit kept gathered after backward: set_reshard_after_backward(False)): reuse it while
         the shard's version counter says no in-place op changed it (gradient accumulation), as FSDP2 reuses it
         without looking. (Writes through ``p.data`` bypass the counter: FSDP2's contract holds there.)"""
-        same = self.is_unsharded and getattr(self, "gathered_from", None) == self.local_shard._version
+        same = self.is_unsharded and getattr(self, "gathered_from", None) == self._shard_version()
         if not (unless_unchanged and same):
             self.stale = True
 
@@ -608,7 +632,7 @@ class FlatUnit:
         out = out.to(self.dtype)
         if post != 1.0:
             out.div_(post)
-        kept = [self.sharded_params[i].grad for i in trainable if self.sharded_params[i].grad is not None]
+        kept = [local_of(self.sharded_params[i].grad) for i in trainable if self.sharded_params[i].grad is not None]
         buf = self.sharded_grad
         if kept and buf is not None and all(_same_storage(g, buf) for g in kept):
             for i in trainable:  # accumulate into the grads kept from an earlier backward, in place
@@ -617,10 +641,10 @@ class FlatUnit:
             out = buf.add_(out)
         for i in trainable:
             sp = self.sharded_params[i]
-            if sp.grad is None or _same_storage(sp.grad, out):
-                sp.grad = self._shard_view(out, i)
-            else:  # a grad the user replaced by a tensor of their own: add to it
-                sp.grad.add_(self._shard_view(out, i))
+            if sp.grad is None:
+                sp.grad = self.as_ragged(self._shard_view(out, i), i)
+            elif not _same_storage(local_of(sp.grad), out):  # a grad the user replaced by one of their own: add
+                local_of(sp.grad).add_(self._shard_view(out, i))
         # Only a weak reference: once zero_grad() drops the grads the buffer is freed, as FSDP2 holds nothing either.
         self._sharded_grad = weakref.ref(out)
 

@@ -63,10 +63,10 @@ class RaggedFSDPModule(FSDPModule):
     _orig_cls_mro_index = 3
 
     def _get_fsdp_state(self):
-        raise NotImplementedError(
-            f"{type(self).__name__} is a ragged_optim.fully_shard module: it has no torch FSDP2 state "
-            "(_get_fsdp_state). Use the public FSDPModule methods, which this module implements"
-        )
+        """What torch's own helpers read from an FSDP2 module: only the forward hooks exist here (so that
+        ``torch.distributed.fsdp.register_fsdp_forward_method`` works on our modules); FSDP2's private state does
+        not."""
+        return _TorchStateView(self)
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide the reduced gradients by ``factor`` instead of averaging over the data-parallel ranks (1.0: the
@@ -224,6 +224,26 @@ class RaggedFSDPModule(FSDPModule):
             for unit in own:
                 unit.apply_to_shard(fn)
         return out
+
+
+class _TorchStateView:
+    """Answers the two calls of torch's ``register_fsdp_forward_method`` with our forward hooks; anything else of
+    FSDP2's private state is refused by name."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self._module = module
+
+    def _pre_forward(self, module, args, kwargs):
+        return _pre_forward_hook(module, args, kwargs)
+
+    def _post_forward(self, module, args, output):
+        return _post_forward_hook(module, args, output)
+
+    def __getattr__(self, name: str):
+        raise NotImplementedError(
+            f"{type(self._module).__name__} is a ragged_optim.fully_shard module: it has no torch FSDP2 state "
+            f"({name!r} of _get_fsdp_state()). Use the public FSDPModule methods, which this module implements"
+        )
 
 
 class UnshardHandle(TorchUnshardHandle):

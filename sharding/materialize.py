@@ -22,7 +22,7 @@ import math
 import torch
 from torch import nn
 
-from ragged_optim.sharding.sharded_param import full_shape, shard_info
+from ragged_optim.sharding.sharded_param import full_shape, local_of, shard_info
 
 
 @torch.no_grad()
@@ -125,7 +125,7 @@ def _keep_local(slots, full, done: set[int]) -> None:
         src = t.detach().reshape(-1)
         if info is not None:
             lo, hi = info.local_range
-            p.copy_(src[lo:hi])
+            local_of(p).copy_(src[lo:hi])
         else:
             p.copy_(src.view_as(p))
 

@@ -89,16 +89,6 @@ def mesh_of(group) -> DeviceMesh:
     return _MESHES[group]
 
 
-_PASSTHROUGH = {
-    torch.ops.aten.detach.default,
-    torch.ops.aten.alias.default,
-}
-_ON_LOCAL = {
-    torch.ops.aten.clone.default,
-    torch.ops.aten._to_copy.default,
-}
-
-
 Pieces = tuple[tuple[int, int], ...]  # one rank's flat element ranges, in the order its local data holds them
 
 
@@ -108,7 +98,7 @@ def normalize_ranges(ranges) -> tuple[Pieces, ...]:
     for r in ranges:
         r = tuple(r)
         if len(r) == 2 and not isinstance(r[0], tuple | list):
-            out.append(((int(r[0]), int(r[1])),))
+            out.append(((int(r[0]), int(r[1])),) if r[1] > r[0] else ())  # (idempotent: empty ranges dropped)
         else:
             out.append(tuple((int(a), int(b)) for a, b in r if b > a))
     return tuple(out)
@@ -197,14 +187,26 @@ class RaggedDTensor(DTensor):
         return full.view(self.shape)
 
     def redistribute(self, device_mesh=None, placements=None, *, async_op=False, **_kw):
-        """Only to all-``Replicate`` (what ``get_*_state_dict(full_state_dict=True)`` asks for)."""
-        if placements is None or not all(type(p) is Replicate for p in placements):
+        """To ``[Replicate()]`` (what ``get_*_state_dict(full_state_dict=True)`` asks for) or to FSDP2's
+        ``[Shard(0)]``, on this tensor's mesh: one all-gather, then each rank keeps its rows."""
+        from torch.distributed.tensor import Shard
+
+        mesh = device_mesh if device_mesh is not None else self.device_mesh
+        ok = placements is not None and len(placements) == 1 and mesh == self.device_mesh
+        if not (ok and (type(placements[0]) is Replicate or placements[0] == Shard(0))):
             raise NotImplementedError(
-                f"a ragged-sharded tensor redistributes only to [Replicate()], not {placements}; call "
-                ".full_tensor() and distribute the full value"
+                f"a ragged-sharded tensor redistributes to [Replicate()] or [Shard(0)] on its own mesh, not "
+                f"{placements}; call .full_tensor() and distribute the full value"
             )
         full = self.full_tensor()
-        return DTensor.from_local(full, self.device_mesh, [Replicate()], run_check=False)
+        if type(placements[0]) is Replicate:
+            return DTensor.from_local(full, mesh, [Replicate()], run_check=False)
+        world, rank = mesh.size(), mesh.get_local_rank()
+        rows = list(torch.chunk(full, world, dim=0)) if full.dim() else [full]
+        mine = rows[rank] if rank < len(rows) else full[:0]
+        return DTensor.from_local(
+            mine.contiguous(), mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride()
+        )
 
     def to_local(self, *, grad_placements=None) -> torch.Tensor:
         """This rank's flat piece (elements ``ranges[rank]`` of the flattened tensor), aliasing the flat shard."""
@@ -215,26 +217,40 @@ class RaggedDTensor(DTensor):
         """This rank's flat element ranges, in the order of its local data."""
         return self._ragged_ranges[self._ragged_rank]
 
+    @property
+    def data(self) -> RaggedDTensor:
+        return self.detach()
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        """``p.data = t`` points this tensor at ``t``'s elements for this rank (another RaggedDTensor of this
+        shape: its local tensor; a full-shape tensor: its range). torch's own ``set_data`` would change only the
+        wrapper and keep the old local tensor, silently; a sharded param's unit then sees that the param no
+        longer lives in its flat buffer and says so."""
+        if tuple(value.shape) != tuple(self.shape):
+            raise RuntimeError(
+                f"p.data = a tensor of shape {tuple(value.shape)} on a ragged-sharded tensor of shape "
+                f"{tuple(self.shape)}: the shapes must agree (change values in place: p.copy_(t))"
+            )
+        self._local_tensor = value._local_tensor if isinstance(value, RaggedDTensor) else self.local_part_of(value)
+
+    def local_part_of(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's elements of ``full`` (a tensor of this one's full shape), in the order of the local data."""
+        flat = full.reshape(-1)
+        pieces = [flat[lo:hi] for lo, hi in self.ragged_pieces]
+        if not pieces:
+            return flat[:0]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
     # ----- ops -------------------------------------------------------------------------------------------
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        me = args[0] if args and isinstance(args[0], RaggedDTensor) else None
-        if me is not None and func in _PASSTHROUGH:
-            return me._rewrap(me._local_tensor)
-        if me is not None and func in _ON_LOCAL and all(not isinstance(a, DTensor) for a in args[1:]):
-            return me._rewrap(func(me._local_tensor, *args[1:], **kwargs))
-        if me is not None and func is torch.ops.aten.new_empty.default and tuple(args[1]) == tuple(me.shape):
-            # DCP's async stager copies a DTensor as new_empty(full size) and then its local tensor: an empty piece
-            return me._rewrap(torch.empty_like(me._local_tensor, **kwargs))
-        raise RuntimeError(  # not TypeError: torch turns that into NotImplemented for operators
-            f"{func} on a ragged-sharded state-dict tensor: it holds a ragged piece of the flattened tensor, which "
-            "no DTensor op rule understands. Save or load it with torch.distributed.checkpoint, call .full_tensor() "
-            "(a collective) for the full value, or .to_local() for this rank's flat piece"
-        )
+        from ragged_optim.sharding.ragged_ops import dispatch
+
+        return dispatch(func, args, kwargs or {})
 
     def _rewrap(self, local: torch.Tensor) -> RaggedDTensor:
-        return _build(local, self.shape, self._ragged_ranges, self._ragged_rank, self._ragged_group)
+        return build_ragged(local, self.shape, self._ragged_ranges, self._ragged_rank, self._ragged_group)
 
     def __repr__(self) -> str:
         held = " + ".join(f"[{lo}, {hi})" for lo, hi in self.ragged_pieces) or "none"
@@ -258,7 +274,8 @@ class RaggedDTensor(DTensor):
         )
 
 
-def _build(local, shape, ranges, rank, group) -> RaggedDTensor:
+def build_ragged(local, shape, ranges, rank, group) -> RaggedDTensor:
+    """A RaggedDTensor over ``local`` itself (no detach: a view keeps its base alive); see ragged_dtensor."""
     shape = torch.Size(shape)
     stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
     spec = DTensorSpec(mesh_of(group), (RaggedShard(),), tensor_meta=TensorMeta(shape, stride, local.dtype))
@@ -276,7 +293,7 @@ def ragged_dtensor(local: torch.Tensor, shape, ranges, rank: int, group) -> Ragg
     local = local.detach()
     if local.numel() != want:
         raise ValueError(f"ragged_dtensor: the local piece has {local.numel()} elements, {ranges[rank]} wants {want}")
-    return _build(local.reshape(-1), shape, ranges, rank, group)
+    return build_ragged(local.reshape(-1), shape, ranges, rank, group)
 
 
 def is_ragged_dtensor(t) -> bool:

@@ -19,8 +19,8 @@ _LIVE_UNITS: weakref.WeakSet = weakref.WeakSet()
 
 @dataclass
 class ShardInfo:
-    """Attached to every sharded parameter: ``param`` is a 1-D view of elements ``[lo, hi)`` of the flattened
-    tensor of shape ``shape``, living in ``unit``'s local shard."""
+    """Attached to every sharded parameter: a RaggedDTensor of full shape ``shape`` whose local tensor is a 1-D
+    view of elements ``[lo, hi)`` of the flattened tensor, living in ``unit``'s local shard."""
 
     unit: FlatUnit
     index: int  # the tensor's index in unit.layout
@@ -40,6 +40,12 @@ class ShardInfo:
     @property
     def local_range(self) -> tuple[int, int]:
         return self.unit.layout.local_range(self.unit.rank, self.index)
+
+
+def local_of(t: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of a ragged-sharded param or grad (its local tensor, a view into the unit's flat buffer);
+    any other tensor as it is."""
+    return t._local_tensor if hasattr(t, "_ragged_ranges") else t
 
 
 def shard_info(param: torch.Tensor) -> ShardInfo | None:
@@ -68,8 +74,9 @@ def _check_tensor(what: str, param) -> None:
 def full_tensor(param: torch.Tensor) -> torch.Tensor:
     """The full, unsharded value of a parameter (a collective on its unit's group: call it on every rank).
 
-    Plain tensors come back as they are; torch DTensors through ``full_tensor()``. A sharded param's ``.grad`` is
-    recognised and gathered as ``full_grad(param)`` does (it is a plain 1-D tensor, the local piece of the grad)."""
+    Plain tensors come back as they are; DTensors (torch's, and ours: sharded params and their grads) through
+    ``full_tensor()``. The local piece of a sharded param's grad (``p.grad.to_local()``) is recognised and gathered
+    as ``full_grad(param)`` does."""
     _check_tensor("full_tensor", param)
     info = shard_info(param)
     if info is None:
@@ -79,7 +86,7 @@ def full_tensor(param: torch.Tensor) -> torch.Tensor:
         if owner is not None:
             return full_grad(owner)
         return param.detach()
-    return info.unit.gather_full(info.index, param.detach())
+    return info.unit.gather_full(info.index, local_of(param).detach())
 
 
 def full_grad(param: torch.Tensor) -> torch.Tensor | None:
@@ -90,16 +97,16 @@ def full_grad(param: torch.Tensor) -> torch.Tensor | None:
     info = shard_info(param)
     if info is None:
         return None if param.grad is None else full_tensor(param.grad)
-    local = param.grad if param.grad is not None else torch.zeros_like(param)
+    local = local_of(param.grad) if param.grad is not None else torch.zeros_like(local_of(param))
     return info.unit.gather_full(info.index, local.detach())
 
 
 def _grad_owner(tensor: torch.Tensor) -> torch.Tensor | None:
-    """The sharded param whose ``.grad`` is ``tensor`` (the same object), or None."""
+    """The sharded param whose ``.grad``'s local piece is ``tensor`` (the same object), or None."""
     if tensor.dim() != 1:
         return None
     for unit in list(_LIVE_UNITS):
         for sp in getattr(unit, "sharded_params", ()):
-            if sp.grad is tensor:
+            if sp.grad is not None and local_of(sp.grad) is tensor:
                 return sp
     return None

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ragged_optim.sharding.ragged_dtensor import RaggedDTensor, normalize_ranges, ragged_dtensor
-from ragged_optim.sharding.sharded_param import ShardInfo, shard_info
+from ragged_optim.sharding.sharded_param import ShardInfo, local_of, shard_info
 
 __all__ = [
     "local_piece",
@@ -111,7 +111,7 @@ def _to_dcp(module, state_dict, prefix, _local_metadata):
     for name, p, info in _own_params(module):
         key = prefix + name
         if key in state_dict:
-            state_dict[key] = sharded_dtensor(p, info)
+            state_dict[key] = sharded_dtensor(local_of(p).detach(), info)
 
 
 def _expected(module: nn.Module, prefix: str) -> dict[str, tuple]:
@@ -184,8 +184,9 @@ def _from_dcp(module, state_dict, prefix, local_metadata, strict, _missing, _une
         if key in state_dict and state_dict[key] is p:  # see check_state_dict: keeps its value
             state_dict[key] = p.detach()
         elif key in state_dict and isinstance(state_dict[key], torch.Tensor):
-            piece = local_piece(state_dict[key], _ranges(info), info.unit.rank, info.shape, p.shape)
-            state_dict[key] = piece.to(p.dtype) if piece.is_floating_point() else piece
+            piece = local_piece(state_dict[key], _ranges(info), info.unit.rank, info.shape, local_of(p).shape)
+            piece = piece.to(p.dtype) if piece.is_floating_point() else piece
+            state_dict[key] = sharded_dtensor(piece, info)  # full shape, as torch's loader checks; copied locally
 
 
 def register_state_dict_hooks(module: nn.Module) -> None:
@@ -220,7 +221,7 @@ def _state_layout(p, key: str, value, group: dict, state: dict):
         return None
     if key.endswith("_scales") and "block_size" in group and f"{key[: -len('_scales')]}_codes" in state:
         return "block"
-    if value.shape == p.shape:
+    if value.shape == local_of(p).shape:
         return "elem"
     return None
 
@@ -279,10 +280,13 @@ def optimizer_state_from_dcp(opt: torch.optim.Optimizer, state_dict: Any) -> Any
                     lo, hi = ranges[info.unit.rank]
                     v = local_piece(v, ranges, info.unit.rank, (nb,), (hi - lo,))
                 elif sharded or per_element_state(k, v.shape, info.shape):
-                    v = local_piece(v, _ranges(info), info.unit.rank, info.shape, p.shape)
-                elif k.endswith("_codes") and v.dim() == 1 and v.numel() == info.numel > p.numel():
+                    v = local_piece(v, _ranges(info), info.unit.rank, info.shape, local_of(p).shape)
+                elif k.endswith("_codes") and v.dim() == 1 and v.numel() == info.numel > local_of(p).numel():
                     # 8-bit codes a plain param's optimizer saved flat (before its state dict shaped them like it)
-                    v = local_piece(v.view(info.shape), _ranges(info), info.unit.rank, info.shape, p.shape)
+                    v = local_piece(v.view(info.shape), _ranges(info), info.unit.rank, info.shape, local_of(p).shape)
+                local_elems = v.dim() >= 1 and v.shape == local_of(p).shape and not isinstance(v, RaggedDTensor)
+                if local_elems and not getattr(opt, "keeps_local_state", False):
+                    v = sharded_dtensor(v, info)  # torch's optimizers keep state like their params: full-shape
             out[k] = v
         new_state[pid] = out
     return {**state_dict, "state": new_state}

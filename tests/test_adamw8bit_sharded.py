@@ -13,6 +13,7 @@ from ragged_optim.comm.counter import count_collectives
 from ragged_optim.comm.launch import RankFailure, run_on_ranks
 from ragged_optim.optim.adamw8bit import AdamW8bit
 from ragged_optim.sharding import full_tensor, fully_shard, shard_info
+from ragged_optim.testing import set_full_grad
 
 STEPS = 3
 MIN_8BIT = 64  # small enough that hypothesis' shapes exercise both kinds of state
@@ -71,7 +72,7 @@ def ragged(rank, world_size, shapes, seed, block_size):
     for step in range(STEPS):
         for p, g in zip(model.ws, grads_for(shapes, step, seed)):
             lo, hi = shard_info(p).local_range
-            p.grad = g.reshape(-1)[lo:hi].clone()
+            set_full_grad(p, g)
         opt.step()
     params = [full_tensor(p).clone() for p in model.ws]
     states = [full_state(opt, p, _gather_flat) for p in model.ws]
@@ -130,7 +131,7 @@ def _state_dict_round_trip(rank, world_size):
     for step in range(2):
         for p, g in zip(model.ws, grads_for(shapes, step, 1)):
             lo, hi = shard_info(p).local_range
-            p.grad = g.reshape(-1)[lo:hi].clone()
+            set_full_grad(p, g)
         opt.step()
     sd = opt.state_dict()
     model2 = Params(shapes, 1)
@@ -150,7 +151,7 @@ def _state_dict_round_trip(rank, world_size):
         for m in (model, model2):
             for p, g in zip(m.ws, grads_for(shapes, step, 1)):
                 lo, hi = shard_info(p).local_range
-                p.grad = g.reshape(-1)[lo:hi].clone()
+                set_full_grad(p, g)
         opt.step()
         opt2.step()
     return all(torch.equal(full_tensor(p), full_tensor(q)) for p, q in zip(model.ws, model2.ws))
@@ -172,7 +173,7 @@ def _cut_layout(rank, world_size):
     info = shard_info(p)
     info.unit.relayout({info.index: BlockSpec.elements(1, 1001)}, allow_split=True)
     lo, hi = info.local_range
-    p.grad = torch.ones(hi - lo)
+    set_full_grad(p, torch.ones(info.shape))
     opt.step()
 
 
@@ -326,7 +327,7 @@ def _low_precision_params(rank, world_size, shapes, seed, block_size, dtype, kin
             g = g.to(dtype)
             if kind == "ragged":
                 lo, hi = shard_info(p).local_range
-                p.grad = g.reshape(-1)[lo:hi].clone()
+                set_full_grad(p, g)
             else:
                 p.grad = distribute_tensor(g, p.device_mesh, p.placements)
         with count_collectives() as stats:

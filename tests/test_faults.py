@@ -136,7 +136,7 @@ def nonfinite_run(rank, world, policy, bad_value):
         info = shard_info(victim)
         holder = next(r for r in range(world) if info.unit.layout.local_range(r, info.index)[0] == 0)
         if rank == holder:  # only the rank that holds element 0 of this param sees the bad value
-            victim.grad[0] = bad_value
+            victim.grad.to_local()[0] = bad_value
         before = victim.detach().clone()
         states = [_local_state(o) for o in opts]
         errors = []

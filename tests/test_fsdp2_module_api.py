@@ -209,10 +209,10 @@ def _encode_run(rank, world_size, kind):
     m = _Encoder()
     both = torch.tensor([[1, 2, 3], [4, 5, 6]])
     x = both[rank : rank + 1] if world_size > 1 else both
-    if kind == "ragged":
+    if kind in ("ragged", "ragged_torch_register"):
         fully_shard(m.blk)
         fully_shard(m)
-        ro.register_fsdp_forward_method(m, "encode")
+        (ro.register_fsdp_forward_method if kind == "ragged" else torch_register)(m, "encode")
     elif kind == "fsdp2":
         torch_fully_shard(m.blk)
         torch_fully_shard(m)
@@ -220,7 +220,7 @@ def _encode_run(rank, world_size, kind):
     with torch.no_grad():
         first = m.encode(x)
     m.encode(x).square().sum(-1).mean().backward()  # the mean over rows: what averaging over ranks gives
-    grads = {n: (full_grad(p) if kind == "ragged" else p.grad.full_tensor() if kind == "fsdp2" else p.grad)
+    grads = {n: (full_grad(p) if kind.startswith("ragged") else p.grad.full_tensor() if kind == "fsdp2" else p.grad)
              for n, p in m.named_parameters() if n.startswith(("emb", "blk"))}  # fmt: skip
     return first, grads
 
@@ -234,10 +234,14 @@ def test_register_fsdp_forward_method_gathers_around_a_method():
     one = run_on_ranks(_encode_run, 1, "plain")[0]
     ours = run_on_ranks(_encode_run, 2, "ragged")
     theirs = run_on_ranks(_encode_run, 2, "fsdp2")
+    # torch's own function on our modules (FSDPModules now; before, a silent no-op)
+    ours_torch = run_on_ranks(_encode_run, 2, "ragged_torch_register")
     for rank in range(2):
         assert torch.equal(ours[rank][0], one[0][rank : rank + 1])
+        assert torch.equal(ours_torch[rank][0], one[0][rank : rank + 1])
     gap = max_abs_gap(theirs[0][1], one[1])
     assert max_abs_gap(ours[0][1], one[1]) <= allowed(gap, magnitude(one[1]))
+    assert max_abs_gap(ours_torch[0][1], one[1]) <= allowed(gap, magnitude(one[1]))
     with pytest.raises(ValueError, match="not a ragged_optim.fully_shard module"):
         ro.register_fsdp_forward_method(_Encoder(), "encode")
 

@@ -147,7 +147,7 @@ def methods(rank, world):
         lambda: model.set_reshard_after_backward("no"),
         lambda: model.set_modules_to_forward_prefetch([nn.Linear(2, 2)]),
         lambda: model.set_custom_all_gather(None),
-        lambda: model._get_fsdp_state(),
+        lambda: model._get_fsdp_state()._fsdp_param_groups,
     ):
         try:
             call()
@@ -172,7 +172,7 @@ def test_fsdp_module_methods_work_or_say_why():
     assert "set_reshard_after_backward(reshard_after_backward='no')" in e[1]
     assert "not a ragged_optim.fully_shard module" in e[2]
     assert e[3].startswith("NotImplementedError: set_custom_all_gather") and "comm_policy" in e[3]
-    assert "no torch FSDP2 state" in e[4]
+    assert "no torch FSDP2 state ('_fsdp_param_groups'" in e[4]
 
 
 def bad_lists(rank, world):

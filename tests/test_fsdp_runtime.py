@@ -160,7 +160,7 @@ def _zero_copy(rank, world_size):
     checks = []
     for unit in units_of(model):
         shard_ptr = unit.local_shard.untyped_storage().data_ptr()
-        checks.append(all(p.untyped_storage().data_ptr() == shard_ptr for p in unit.sharded_params))
+        checks.append(all(p.to_local().untyped_storage().data_ptr() == shard_ptr for p in unit.sharded_params))
         unit.wait_unshard()
         full_ptr = unit.unsharded.untyped_storage().data_ptr()
         checks.append(all(p.untyped_storage().data_ptr() == full_ptr for p in unit.unsharded_params))
@@ -170,7 +170,7 @@ def _zero_copy(rank, world_size):
     with count_collectives() as stats:
         loss_fn(model, local_rows(x, rank, world_size), local_rows(y, rank, world_size)).backward()
     grads_alias = all(
-        p.grad.untyped_storage().data_ptr() == u.sharded_grad.untyped_storage().data_ptr()
+        p.grad.to_local().untyped_storage().data_ptr() == u.sharded_grad.untyped_storage().data_ptr()
         for u in units_of(model)
         for p in u.sharded_params
     )
@@ -448,7 +448,7 @@ def _clip_like_torch(rank, world_size):
     loss_fn(model, local_rows(x, rank, world_size), local_rows(y, rank, world_size)).backward()
     p0 = next(model.parameters())
     if rank == 0 and p0.grad.numel():
-        p0.grad[0] = float("nan")  # on one rank only: every rank must raise, before any grad changes
+        p0.grad.to_local()[0] = float("nan")  # on one rank only: every rank must raise, before any grad changes
     before = {n: full_grad(p) for n, p in model.named_parameters()}
     try:
         clip_grad_norm_(model.parameters(), 0.1, error_if_nonfinite=True)

@@ -35,7 +35,7 @@ def _run(rank, world_size, layout, steps=3):
             loss_fn(model, local_rows(x, rank, world_size), local_rows(y, rank, world_size)).backward()
         opt.step()
         opt.zero_grad()
-    local = [p.detach().clone() for p in model.parameters()]
+    local = [p.to_local().clone() for p in model.parameters()]
     return {n: full_tensor(p).clone() for n, p in model.named_parameters()}, local, dict(stats.bytes)
 
 
@@ -86,7 +86,7 @@ def _muon_hsdp(rank, world_size):
         model(local_rows(_muon_batch(step), rank, world_size)).square().mean().backward()
         opt.step()
         opt.zero_grad()
-    return [p.detach().clone() for p in model.parameters()], get_full_state_dict(model)
+    return [p.to_local().clone() for p in model.parameters()], get_full_state_dict(model)
 
 
 def _muon_one_process(micro_batches=1):

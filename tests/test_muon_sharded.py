@@ -13,6 +13,7 @@ from ragged_optim.comm.launch import run_on_ranks
 from ragged_optim.optim import Muon
 from ragged_optim.optim.nonfinite import set_nonfinite_policy
 from ragged_optim.sharding import full_tensor, fully_shard
+from ragged_optim.testing import set_full_grad
 
 STEPS = 3
 
@@ -55,7 +56,7 @@ def _set_local_grads(model, shapes, step, seed, rank, world_size, kind):
     for p, g in zip(list(model.ws) + [model.bias], gs + [gb]):
         if kind == "ragged":
             lo, hi = shard_info(p).local_range
-            p.grad = g.reshape(-1)[lo:hi].clone()
+            set_full_grad(p, g)
         else:
             from torch.distributed.tensor import distribute_tensor
 
@@ -178,7 +179,8 @@ def _two_whole_matrices(rank, world_size):
     set_nonfinite_policy(opt, "off")  # the per-step NaN/Inf agreement is one 1-element all_reduce
     with count_collectives() as stats:
         opt.step()
-    return stats.total_calls, [len(p) for p in model.parameters()], [opt.has_cut_blocks(p) for p in opt_params(opt)]
+    local_sizes = [p.to_local().numel() for p in model.parameters()]
+    return stats.total_calls, local_sizes, [opt.has_cut_blocks(p) for p in opt_params(opt)]
 
 
 def opt_params(opt):
@@ -226,7 +228,7 @@ def _wire(rank, world_size, wire):
     start = [full_tensor(p) for p in model.parameters()]
     for p, g in zip(model.parameters(), _wire_grads([shard_info(p).shape for p in model.parameters()])):
         lo, hi = shard_info(p).local_range
-        p.grad = g.reshape(-1)[lo:hi].clone()
+        set_full_grad(p, g)
     set_nonfinite_policy(opt, "off")
     with count_collectives() as stats:
         opt.step()

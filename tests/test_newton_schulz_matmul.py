@@ -51,13 +51,45 @@ def correctly_rounded_iteration(X: torch.Tensor) -> torch.Tensor:
     return (X.T if tall else X).float()
 
 
+def fp32_iteration(X: torch.Tensor, parts: int) -> torch.Tensor:
+    """One iteration with the correct rounding points and fp32 matmuls summed over ``parts`` slices of the inner
+    dim: another fp32 summation order for each ``parts``."""
+    a, b, c = COEFFS
+    tall = X.size(0) > X.size(1)
+    X = (X.T if tall else X).float()
+
+    def mm(P, Q):
+        out = None
+        for k in torch.tensor_split(torch.arange(P.shape[1]), parts):
+            if len(k):
+                out = P[:, k] @ Q[k] if out is None else out + P[:, k] @ Q[k]
+        return out
+
+    def r(t):
+        return t.bfloat16().float()
+
+    A = r(mm(X, X.T))
+    B = r(b * A + c * mm(A, A))
+    X = r(a * X + mm(B, X))
+    return X.T if tall else X
+
+
+def fp32_order_noise(X: torch.Tensor) -> int:
+    """How many elements legitimate fp32 summation orders disagree on after one iteration from ``X``: a flip near a
+    bf16 boundary in the Gram matrix spreads through the next two matmuls (measured on an AMX Xeon: 21 of 40,000 at
+    200x200 for a plain fp32 order against a split one, where torch's native bf16 ops flipped 1)."""
+    outs = [fp32_iteration(X, parts) for parts in (1, 2, 3, 4)]
+    return max(int((x != y).sum()) for x in outs for y in outs)
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 def test_upcast_rounds_where_native_does(shape):
     """Normalisation is bitwise equal. Each iteration, both round an fp32-accumulated matmul to bf16 at the same
     points, so each differs from the correctly rounded iteration (float64 matmuls) only where fp32's summation
-    order crosses a bf16 rounding boundary: rare single-ulp flips, whose count depends on the CPU's GEMM. Upcast
-    flips no more often than torch's native ops in the same run (FACTOR x their count + ULPS elements), and the two
-    differ by one bf16 ulp at most after one iteration (measured here: 0 or 1 flip per shape, for both)."""
+    order crosses a bf16 rounding boundary: rare single-ulp flips, whose count depends on the CPU's GEMM and which
+    spread through the iteration's later matmuls. Upcast flips no more often than torch's native ops or other fp32
+    summation orders in the same run (FACTOR x the larger count + ULPS elements; an extra rounding point would flip
+    thousands), and the two differ by one bf16 ulp at most after one iteration."""
     G = randn(shape, seed=1)
     X = newton_schulz(G, steps=0, matmul="native")
     assert torch.equal(newton_schulz(G, steps=0, matmul="upcast"), X)
@@ -67,7 +99,8 @@ def test_upcast_rounds_where_native_does(shape):
         up, nat = newton_schulz(G, steps=steps, matmul="upcast"), newton_schulz(G, steps=steps, matmul="native")
         flips_up = int((up != correctly_rounded_iteration(prev_up)).sum())
         flips_nat = int((nat != correctly_rounded_iteration(prev_nat)).sum())
-        assert flips_up <= FACTOR * flips_nat + ULPS, (steps, flips_up, flips_nat)
+        noise = fp32_order_noise(prev_up)
+        assert flips_up <= FACTOR * max(flips_nat, noise) + ULPS, (steps, flips_up, flips_nat, noise)
         if steps == 1:
             assert ((up - nat).abs() <= 2**-7 * torch.maximum(up.abs(), nat.abs())).all()  # one bf16 ulp at most
     out = newton_schulz(G, matmul="upcast")

@@ -17,7 +17,8 @@ def _gathered(rank, world_size):
     loss_fn(model, local_rows(x, rank, world_size), local_rows(y, rank, world_size)).backward()
     out = {}
     for n, p in model.named_parameters():
-        out[n] = (tuple(p.shape), ro.full_tensor(p).shape, ro.full_grad(p), ro.full_tensor(p.grad))
+        piece = p.grad.to_local()  # full_tensor recognises a grad's local piece too
+        out[n] = (tuple(p.to_local().shape), ro.full_tensor(p).shape, ro.full_grad(p), ro.full_tensor(piece))
     return out
 
 

@@ -13,6 +13,7 @@ from ragged_optim.comm.counter import count_collectives
 from ragged_optim.comm.launch import run_on_ranks
 from ragged_optim.optim.shampoo import Shampoo
 from ragged_optim.sharding import full_tensor, fully_shard, shard_info
+from ragged_optim.testing import set_full_grad
 
 STEPS = 3
 OPTS = dict(lr=0.05, betas=(0.9, 1.0), epsilon=1e-6, weight_decay=0.1)
@@ -45,7 +46,7 @@ def reference(shapes, seed, B, kw):
 def _set_local_grads(model, shapes, step, seed):
     for p, g in zip(model.ordered(), grads_for(shapes, step, seed)):
         lo, hi = shard_info(p).local_range
-        p.grad = g.reshape(-1)[lo:hi].clone()
+        set_full_grad(p, g)
 
 
 def sharded(rank, world_size, shapes, seed, B, kw):

@@ -22,6 +22,7 @@ import ragged_optim as ro
 from ragged_optim.comm.counter import count_collectives
 from ragged_optim.comm.launch import run_on_ranks
 from ragged_optim.optim.soap import SOAP
+from ragged_optim.testing import set_full_grad
 
 # ----------------------------------------------------------------------------------------------- the reference
 
@@ -453,7 +454,7 @@ def _run_case(case, kind, mesh):
         for p, g in zip(model.ordered(), grads_for(shapes, step, seed)):
             if kind == "ragged":
                 lo, hi = ro.local_range(p)
-                p.grad = g.reshape(-1)[lo:hi].clone()
+                set_full_grad(p, g)
             else:
                 p.grad = distribute_tensor(g, p.device_mesh, p.placements)
         with count_collectives() as stats:
@@ -533,7 +534,7 @@ def _hsdp_rank(rank, world_size):
     for step in range(STEPS):
         for p, g in zip(model.ordered(), grads_for(shapes, step, seed)):
             lo, hi = ro.local_range(p)
-            p.grad = g.reshape(-1)[lo:hi].clone()
+            set_full_grad(p, g)
         opt.step()
     return [ro.full_tensor(p).clone() for p in model.ordered()]
 
@@ -593,7 +594,7 @@ def _train(model, opt, start, stop):
     for step in range(start, stop):
         for p, g in zip(model.ordered(), grads_for(CKPT_SHAPES, step, CKPT_CASE[1])):
             lo, hi = ro.local_range(p)
-            p.grad = g.reshape(-1)[lo:hi].reshape(p.shape).clone()
+            set_full_grad(p, g)
         opt.step()
 
 

@@ -24,6 +24,7 @@ from ragged_optim.comm.counter import count_collectives
 from ragged_optim.comm.launch import run_on_ranks
 from ragged_optim.optim.shampoo import Shampoo
 from ragged_optim.sharding import full_grad, full_tensor, fully_shard, shard_info
+from ragged_optim.testing import set_full_grad
 
 #: 10 matrices 256..768 wide, several not multiples of 256 (partial bands and tiles).
 DEFAULT_SHAPES = (
@@ -63,8 +64,7 @@ def _band_rank(rank, world_size, opt_cls, shapes, B, steps, seed, opt_kw):
     t_ours, t_rep, bytes_ours, bytes_rep, calls_ours = [], [], [], [], []
     for step in range(steps):
         for p, g in zip(model.ws, _grads(shapes, step, seed)):
-            lo, hi = shard_info(p).local_range
-            p.grad = g.reshape(-1)[lo:hi].clone()
+            set_full_grad(p, g)
         dist.barrier()
         t0 = time.perf_counter()
         with count_collectives() as stats:

@@ -43,12 +43,15 @@ def on_foreach_device(tensors) -> bool:
 
 
 def is_dtensor(t: torch.Tensor) -> bool:
-    return hasattr(t, "to_local") and hasattr(t, "placements")
+    """A torch DTensor param laid out by its placements (FSDP2's ``Shard(0)``), not a ragged-sharded param (a
+    DTensor too, whose layout comes from its unit: ``shard_info``)."""
+    return hasattr(t, "to_local") and hasattr(t, "placements") and shard_info(t) is None
 
 
 def local(t: torch.Tensor | None) -> torch.Tensor | None:
-    """The tensor this rank computes on in place: a DTensor's local shard, anything else as is."""
-    if t is not None and is_dtensor(t):
+    """The tensor this rank computes on in place: a DTensor's local shard (a ragged param's 1-D piece of the flat
+    buffer), anything else as is."""
+    if t is not None and hasattr(t, "to_local") and hasattr(t, "placements"):
         return t.to_local()
     return t
 
@@ -85,4 +88,4 @@ def local_range(p: torch.Tensor) -> tuple[int, int]:
     group = process_group(p)
     if group is not None:
         return local_ranges(p)[dist.get_rank(group)]
-    return 0, p.numel()
+    return 0, local(p).numel()

@@ -246,6 +246,9 @@ class BlockOptimizer(torch.optim.Optimizer):
     #: change between steps (checked at each step; a change raises before anything is updated), and state saved
     #: with other values does not load (:meth:`layout_difference`).
     layout_keys: tuple[str, ...] = ()
+    #: State of ragged-sharded params is kept as this rank's local pieces (the step computes on ``local(p)``); the
+    #: sharding layer's loaders hand torch's optimizers full-shape RaggedDTensor state instead, like their params.
+    keeps_local_state = True
 
     def __init__(self, params, defaults: dict[str, Any], *, allow_split: bool = True) -> None:
         super().__init__(params, defaults)
