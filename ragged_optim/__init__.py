@@ -20,7 +20,10 @@ __version__ = "0.1.0"
 
 # public name -> the module it lives in
 _EXPORTS = {
+    "CheckpointError": "ragged_optim.checkpoint",
     "get_full_optimizer_state_dict": "ragged_optim.checkpoint",
+    "is_complete": "ragged_optim.checkpoint",
+    "latest_checkpoint": "ragged_optim.checkpoint",
     "load_checkpoint": "ragged_optim.checkpoint",
     "save_checkpoint": "ragged_optim.checkpoint",
     "SOAP": "ragged_optim.optim",
@@ -36,6 +39,9 @@ _EXPORTS = {
     "local": "ragged_optim.optim.blocks",
     "local_range": "ragged_optim.optim.blocks",
     "set_nonfinite_policy": "ragged_optim.optim.nonfinite",
+    "Blocks": "ragged_optim.sharding.state_schema",
+    "Elem": "ragged_optim.sharding.state_schema",
+    "Replicated": "ragged_optim.sharding.state_schema",
     "BlockSpec": "ragged_optim.sharding",
     "CommPolicy": "ragged_optim.sharding",
     "QuantizedAllGather": "ragged_optim.sharding",
@@ -68,7 +74,14 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported eagerly
-    from ragged_optim.checkpoint import get_full_optimizer_state_dict, load_checkpoint, save_checkpoint
+    from ragged_optim.checkpoint import (
+        CheckpointError,
+        get_full_optimizer_state_dict,
+        is_complete,
+        latest_checkpoint,
+        load_checkpoint,
+        save_checkpoint,
+    )
     from ragged_optim.optim import SOAP, AdamW8bit, Muon, Shampoo, muon_param_groups
     from ragged_optim.optim.blocks import (
         Block,
@@ -95,3 +108,4 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
         register_fsdp_forward_method,
         shard_info,
     )
+    from ragged_optim.sharding.state_schema import Blocks, Elem, Replicated

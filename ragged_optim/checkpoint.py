@@ -2,30 +2,35 @@
 torch's own distributed-checkpoint (DCP) format, that load at any world size.
 
 Format (version 2). A checkpoint is a folder written by ``torch.distributed.checkpoint`` (every rank writes its own
-file, in parallel) plus ``meta.pt`` (format version, optimizer classes, param groups by name, the caller's
-``extra``) and a ``COMPLETE`` marker written last. The DCP keys are the ones torch's
-``dcp.save({"model": get_model_state_dict(m), "optim": get_optimizer_state_dict(m, opt)})`` writes:
+file, in parallel) plus ``meta.pt`` (format version, optimizer classes, param groups by name, the kind of every
+saved state entry, the caller's ``extra``) and a ``COMPLETE`` marker written last. The DCP keys are the ones
+torch's ``dcp.save({"model": get_model_state_dict(m), "optim": get_optimizer_state_dict(m, opt)})`` writes:
 
 - ``model.<name>``: every entry of ``model.state_dict()`` under its original name and full shape (a ragged param
   is written as the rectangular chunks of its ranks' pieces, see :mod:`ragged_optim.sharding.ragged_dtensor`), so
   ``dcp_to_torch_save``, a plain model and a torch FSDP2 model read it as they read their own;
-- ``optim.state.<name>.<key>``: optimizer state of param ``<name>``. State laid out like the param
-  (``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``, Shampoo ``momentum``, 8-bit ``*_codes``) has the param's full
-  shape; 8-bit ``*_scales`` (one fp32 per block of ``block_size`` elements of the flattened param) have shape
-  ``[ceil(numel / block_size)]``; ``step`` and the state of unsharded params are stored once;
-- ``optim.state.<name>.bands.<k>.<field>[.<i>]``: Shampoo's band ``k`` (rows ``[k*B, (k+1)*B)`` of the matrix view,
-  ``B = max_preconditioner_dim``): ``L``, ``R``, ``L_root``, ``R_root`` (list entries ``i``: one stack of tiles per
-  tile width) and ``graft``, written by the rank that computes the band; on load each band is read by the rank
-  that computes it under the new layout;
+- ``optim.state.<name>.<key>``: optimizer state of param ``<name>``, laid out by the kind the optimizer's state
+  schema declares (:mod:`ragged_optim.sharding.state_schema`; a torch optimizer's: the default): ``Elem`` (moments,
+  momentum) at the param's full shape; ``Blocks(spec, form="value")`` (8-bit scales) at ``[n_blocks]``,
+  ``form="element"`` (8-bit codes) at the full shape, each rank writing the blocks it computes; ``Replicated``
+  (``step``) once;
+- ``optim.state.<name>.<key>.<k>[.<field>][.<i>]``: block ``k`` of a ``Blocks(spec)`` (per-block dict) entry:
+  Shampoo's band ``k`` (``L``, ``R``, ``L_root``, ``R_root``, list entries ``i`` one stack of tiles per tile width,
+  ``graft``, ``step``), SOAP's, a user's tiles; written by the rank that computes the block, read on load by the
+  rank that computes it under the new layout;
 - ``optim.param_groups.<g>.<key>``: the hyperparameters and (``params``) the param names of each group, as torch
   writes them.
 
 Every rank contributes its own keys to DCP's metadata, so no state is dropped at any setting. Several optimizers
-share the ``optim.state`` namespace (each param belongs to one); ``meta.pt`` says which groups are whose.
+share the ``optim.state`` namespace (each param belongs to one); ``meta.pt`` says which groups are whose. Nothing
+is classified by its name: state the optimizer's schema does not cover (or disagrees with) is refused at save, and
+a load whose recorded kinds differ from the loading optimizer's schema is refused, naming the param and the key
+(a checkpoint without that record, from before it existed, is read by the loading optimizer's schema).
 
 Loading reads everything into fresh buffers first, checks every key and shape before that, and only after the read
 succeeded writes the optimizers (each restored on failure) and then the model: a failed load changes nothing.
 Every failure to read a checkpoint is a :class:`CheckpointError` naming the folder or file and the cause.
+``load_checkpoint(path, model)`` without optimizers reads the model's weights only (of any checkpoint).
 ``load_checkpoint`` also reads a plain torch DCP checkpoint of a model (``dcp.save(get_model_state_dict(m))`` or
 ``dcp.save({"model": ...})``): model state only.
 
@@ -33,17 +38,22 @@ Atomicity: data goes to ``<path>.tmp-<id>``; after every rank has finished, rank
 ``COMPLETE``, then renames the folder to ``<path>`` (an older checkpoint at ``<path>`` is moved aside first and
 deleted after). A folder of ours without ``COMPLETE`` is never loaded. If a save dies between those two renames,
 ``load_checkpoint(path)`` loads the complete checkpoint it left (``<path>.tmp-<id>``, else ``<path>.old-<id>``) with a
-warning, and the next successful save removes such leftovers.
+warning. Each successful save then tidies what interrupted saves of any checkpoint in its folder left: unfinished
+``.tmp-`` folders go, a complete leftover takes its checkpoint's name when it is the newest copy (else it goes).
+:func:`latest_checkpoint` names the newest complete checkpoint of a folder, to resume from.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
+import re
 import shutil
+import time
 import uuid
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -51,18 +61,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ragged_optim.optim.base import is_dtensor, local, process_group
 from ragged_optim.optim.blocks import BlockOptimizer
+from ragged_optim.optim.state_schema import block_layout, declared_schema, is_block_dict, kind_of
 from ragged_optim.sharding import shard_info
-from ragged_optim.sharding.ragged_dtensor import RaggedDTensor
-from ragged_optim.sharding.sharded_param import full_shape, local_of
-from ragged_optim.sharding.state_dict import (
-    _block_ranges,
-    _ranges,
-    install_optimizer_hooks,
-    optimizer_state_to_dcp,
-    per_element_state,
-    sharded_dtensor,
-)
+from ragged_optim.sharding.ragged_dtensor import RaggedDTensor, ragged_dtensor
+from ragged_optim.sharding.sharded_param import full_shape
+from ragged_optim.sharding.state_dict import install_optimizer_hooks, optimizer_state_to_dcp, sharded_dtensor
+from ragged_optim.sharding.state_schema import Blocks, Elem, Replicated, StateKind, default_kind, kind_from_record
 
 __all__ = [
     "COMPLETE_MARKER",
@@ -70,9 +76,9 @@ __all__ = [
     "check_optimizer_state_dict",
     "get_full_optimizer_state_dict",
     "is_complete",
+    "latest_checkpoint",
     "load_checkpoint",
     "save_checkpoint",
-    "state_kind",
 ]
 
 COMPLETE_MARKER = "COMPLETE"
@@ -248,58 +254,72 @@ def _group_of(opt: torch.optim.Optimizer, p: torch.Tensor) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# state classification (also used by the consolidated export below)
+# state kinds (the optimizer's declared schema: optim/state_schema.py)
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def state_kind(p: torch.Tensor, key: str, value: Any, group: dict) -> str:
-    """How optimizer state ``value`` under ``key`` of param ``p`` is laid out: ``"elem"``, ``"block"``,
-    ``"bands"``, ``"replicated"`` or ``"object"`` (not a tensor: kept as is)."""
-    if key == "bands" and isinstance(value, dict):
-        return "bands"
-    if not isinstance(value, torch.Tensor):
-        return "object"
-    if shard_info(p) is None:
-        return "replicated"
-    if key.endswith("_scales") and "block_size" in group:
-        return "block"
-    if isinstance(value, RaggedDTensor) or (value.dim() >= 1 and value.shape == p.to_local().shape):
-        return "elem"  # (a torch optimizer's state of a ragged param is a RaggedDTensor, like the param)
-    return "replicated"
+def _dcp_state_dict(opt: torch.optim.Optimizer) -> dict:
+    """``opt.state_dict()`` in DCP's form: ours convert by their schema; a torch optimizer's by the default one (its
+    hooks may not be installed yet: before its first step)."""
+    sd = opt.state_dict()
+    return sd if getattr(opt, "converts_own_state_dict", False) else optimizer_state_to_dcp(opt, sd)
 
 
-def _bands_here(opt, p: torch.Tensor, group: dict) -> set[int] | None:
-    """Bands (blocks) of param ``p`` whose state this rank keeps under the current layout (Shampoo's and SOAP's
-    ``bands`` are keyed by block index): the blocks it holds whole and the cut blocks it owns. None: not known (an
-    optimizer that is no BlockOptimizer, or a param without blocks)."""
-    from ragged_optim.optim.blocks import BlockOptimizer
-
-    if not isinstance(opt, BlockOptimizer) or opt.block_spec(p, group) is None:
-        return None
-    return set(opt.blocks_computed_here(p))
+def _entry_kind(opt, p: torch.Tensor, group: dict, key: str, value: Any, label: str) -> StateKind:
+    """The kind of a state entry (in state-dict form): our optimizers' declaration (state they do not cover is
+    refused); for a torch optimizer the default (anything else, kept as it is, is stored once)."""
+    if isinstance(opt, BlockOptimizer):
+        return kind_of(opt, p, group, key, value, label)
+    return default_kind(key, value, tuple(local(p).shape), tuple(full_shape(p))) or Replicated()
 
 
-def _flatten_band(prefix: str, band: dict, out: dict) -> None:
-    for name, v in band.items():
-        if isinstance(v, list | tuple):
-            for i, t in enumerate(v):
-                out[f"{prefix}.{name}.{i}"] = t
+def _declared(opt, p: torch.Tensor, group: dict) -> dict[str, StateKind]:
+    return declared_schema(opt, p, group) if isinstance(opt, BlockOptimizer) else {}
+
+
+def _flatten_block(prefix: str, value: Any, out: dict, where: str) -> None:
+    """One block's state under DCP keys: a tensor at ``prefix``, a list at ``prefix.<i>``, a dict's fields at
+    ``prefix.<name>`` (a list field at ``prefix.<name>.<i>``), as DCP's own flattening writes them."""
+    if isinstance(value, Mapping):
+        for name, v in value.items():
+            if not isinstance(name, str) or not name or name.isdigit() or "." in name:
+                raise CheckpointError(
+                    f"{where}: field {name!r}: a block's dict is keyed by names (strings, not numbers, without dots) "
+                    "so that it reads back unambiguously; rename the field"
+                )
+            _flatten_leaf(f"{prefix}.{name}", v, out, where)
+    else:
+        _flatten_leaf(prefix, value, out, where)
+
+
+def _flatten_leaf(prefix: str, value: Any, out: dict, where: str) -> None:
+    items = list(enumerate(value)) if isinstance(value, list | tuple) else [(None, value)]
+    for i, v in items:
+        if isinstance(v, Mapping | list | tuple):
+            raise CheckpointError(
+                f"{where}: a block's state is a tensor, a list of tensors, or a dict of names to those (or to "
+                f"numbers); {prefix!r} nests a {type(v).__name__} deeper: flatten it into named fields"
+            )
+        out[prefix if i is None else f"{prefix}.{i}"] = v
+
+
+def _unflatten_block(entries: dict[str, Any]) -> Any:
+    """The inverse of :func:`_flatten_block`, from ``{key below the block's own ('' for itself): value}``."""
+    if "" in entries:
+        return entries[""]
+    if all(k.isdigit() for k in entries):
+        return [entries[k] for k in sorted(entries, key=int)]
+    out: dict[str, Any] = {}
+    lists: dict[str, dict[int, Any]] = {}
+    for rest, v in entries.items():
+        name, _, idx = rest.partition(".")
+        if idx:
+            lists.setdefault(name, {})[int(idx)] = v
         else:
-            out[f"{prefix}.{name}"] = v
-
-
-def _unflatten_band(entries: dict[str, torch.Tensor]) -> dict:
-    band: dict[str, Any] = {}
-    lists: dict[str, dict[int, torch.Tensor]] = {}
-    for rest, t in entries.items():
-        name, _, idx = rest.rpartition(".")
-        if name and idx.isdigit():
-            lists.setdefault(name, {})[int(idx)] = t
-        else:
-            band[rest] = t
+            out[name] = v
     for name, items in lists.items():
-        band[name] = [items[i] for i in sorted(items)]
-    return band
+        out[name] = [items[i] for i in sorted(items)]
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -308,25 +328,30 @@ def _unflatten_band(entries: dict[str, torch.Tensor]) -> dict:
 
 
 def _optim_entries(model, opt, which: int, sd: dict, group_offset: int) -> dict:
-    """Add one optimizer's DCP entries to ``sd``; return its record for meta.pt."""
+    """Add one optimizer's DCP entries to ``sd``; return its record for meta.pt (with the kind of every saved state
+    entry: the load checks it against the loading optimizer's schema)."""
     fqns = _opt_fqns(model, opt, which)
-    for p, fqn in zip(_opt_params(opt), fqns):
-        if _is_dtensor(p) and opt.state.get(p):
-            raise CheckpointError(
-                f"optimizer {which} ({type(opt).__name__}) param {fqn!r} is a torch DTensor (FSDP2); save_checkpoint "
-                "saves optimizers of ragged_optim.fully_shard and plain params. For FSDP2 use "
-                "torch.distributed.checkpoint.state_dict.get_optimizer_state_dict with dcp.save"
-            )
-    osd = optimizer_state_to_dcp(opt, opt.state_dict())
+    what = f"optimizer {which} ({type(opt).__name__})"
+    try:
+        osd = _dcp_state_dict(opt)
+    except ValueError as e:  # state the schema does not cover, or disagrees with
+        raise CheckpointError(f"save_checkpoint: {what}: {e}; nothing was written") from e
     ids = [i for g in osd["param_groups"] for i in g["params"]]
-    for pid, fqn in zip(ids, fqns):
+    groups_of = [g for g in opt.param_groups for _ in g["params"]]
+    schema: dict[str, dict[str, tuple]] = {}
+    for pid, fqn, p, group in zip(ids, fqns, _opt_params(opt), groups_of):
         for key, v in (osd["state"].get(pid) or {}).items():
+            try:
+                kind = _entry_kind(opt, p, group, key, v, repr(fqn))
+            except ValueError as e:
+                raise CheckpointError(f"save_checkpoint: {what}: {e}; nothing was written") from e
             base = f"optim.state.{fqn}.{key}"
-            if key == "bands" and isinstance(v, dict):
-                for k, band in v.items():
-                    _flatten_band(f"{base}.{k}", band, sd)
+            if is_block_dict(kind):
+                for b, block in v.items():
+                    _flatten_block(f"{base}.{b}", block, sd, f"save_checkpoint: {what} {fqn!r} {key!r} block {b}")
             else:
                 sd[base] = v
+            schema.setdefault(fqn, {})[key] = kind.record()
     groups = []
     k = 0
     for gi, g in enumerate(osd["param_groups"]):
@@ -337,7 +362,26 @@ def _optim_entries(model, opt, which: int, sd: dict, group_offset: int) -> dict:
         groups.append(g)
         for hk, hv in g.items():
             sd[f"optim.param_groups.{group_offset + gi}.{hk}"] = hv
-    return {"class": type(opt).__name__, "fqns": fqns, "groups": groups}
+    return {"class": type(opt).__name__, "fqns": fqns, "groups": groups, "schema": schema}
+
+
+def _merge_schemas(records: list[dict]) -> None:
+    """Every rank's kinds of the saved state into each record (a rank that computes no block of a param has no
+    entry for its per-block state); a collective."""
+    parts = _gather_objects([r["schema"] for r in records])
+    for j, rec in enumerate(records):
+        merged: dict[str, dict[str, tuple]] = {}
+        for part in parts:
+            for fqn, keys in part[j].items():
+                for key, kind in keys.items():
+                    seen = merged.setdefault(fqn, {}).setdefault(key, kind)
+                    if seen != kind:
+                        raise CheckpointError(
+                            f"save_checkpoint: optimizer {j} ({rec['class']}) state {key!r} of {fqn!r} is "
+                            f"{kind_from_record(kind)} on one rank and {kind_from_record(seen)} on another: declare "
+                            "it in state_schema; nothing was written"
+                        )
+        rec["schema"] = merged
 
 
 def _target_problem(path: str) -> str | None:
@@ -388,19 +432,27 @@ def save_checkpoint(
 
     The folder appears only once every rank has written its part; an existing checkpoint at ``path`` is replaced.
     A folder that cannot be written, or a write that fails (disk full), raises :class:`CheckpointError` on every
-    rank and leaves any older checkpoint at ``path`` as it was."""
+    rank and leaves any older checkpoint at ``path`` as it was. State an optimizer's schema does not cover (or
+    disagrees with) raises before anything is written. A successful save also tidies what interrupted saves left
+    in the same folder (:func:`_clean_leftovers`)."""
     import torch.distributed.checkpoint as dcp
 
     optimizers = _check_arguments("save_checkpoint", model, optimizers)
     path = _as_path(path, "save_checkpoint")
     _same_path_everywhere(path, "save_checkpoint")
+    started = time.time()
     token = _broadcast_obj(uuid.uuid4().hex[:12] if _rank() == 0 else None)
     tmp = f"{path}.tmp-{token}"
     sd: dict[str, Any] = {f"model.{k}": v for k, v in model.state_dict().items()}
-    records, offset = [], 0
-    for j, opt in enumerate(optimizers):
-        records.append(_optim_entries(model, opt, j, sd, offset))
-        offset += len(opt.param_groups)
+    records, offset, problem = [], 0, None
+    try:  # state a schema does not cover may be on some ranks only: every rank raises
+        for j, opt in enumerate(optimizers):
+            records.append(_optim_entries(model, opt, j, sd, offset))
+            offset += len(opt.param_groups)
+    except CheckpointError as e:
+        problem = str(e)
+    _agree(problem)
+    _merge_schemas(records)
     problem = None
     if _rank() == 0:  # whatever goes wrong on rank 0 reaches every rank (the others would wait for it)
         try:
@@ -431,6 +483,8 @@ def save_checkpoint(
             shutil.rmtree(tmp, ignore_errors=True)
             why = f"{type(e).__name__}: {e}"
             problem = f"finishing checkpoint {path!r} failed: {why}; any older checkpoint there is kept"
+        else:
+            _clean_leftovers(path, started)
     problem = _broadcast_obj(problem)
     if problem:
         raise CheckpointError(problem)
@@ -470,8 +524,76 @@ def _publish(tmp: str, path: str, token: str) -> None:
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
-    for leftover in _siblings(path, ".old-") + [f for f in _siblings(path, ".tmp-") if is_complete(f)]:
-        shutil.rmtree(leftover, ignore_errors=True)  # a crashed publish's (an unfinished .tmp- may be in flight)
+
+
+_LEFTOVER = re.compile(r"^(?P<name>.+)\.(?P<kind>tmp|old)-[^/]+$")
+
+
+def _only_checkpoint_files(folder: str) -> bool:
+    """Whether ``folder`` holds nothing but what a save writes (DCP's data and metadata, meta.pt, the probe)."""
+    ours = re.compile(r"^(__\d+_\d+\.distcp|\.metadata.*|meta\.pt|\.probe|" + re.escape(COMPLETE_MARKER) + ")$")
+    return all(ours.match(e) for e in os.listdir(folder))
+
+
+def _completed_at(folder: str) -> int:
+    return os.stat(os.path.join(folder, COMPLETE_MARKER)).st_mtime_ns
+
+
+def _clean_leftovers(path: str, started: float) -> None:
+    """After a successful save (rank 0): what interrupted saves of any checkpoint in the same folder left, when it
+    was last changed before this save began (another job's save in flight is left alone). An unfinished
+    ``<name>.tmp-<id>`` (no COMPLETE: a rank died while writing) is removed. Of a name's complete copies (the
+    checkpoint ``<name>`` itself, a ``.tmp-`` folder whose rename was cut short, an ``.old-`` one moved aside) the
+    newest takes the name and the others are removed: a complete leftover that is the newest checkpoint is
+    promoted, never deleted. A failure here is a warning: the checkpoint just saved is complete."""
+    parent = os.path.dirname(os.path.abspath(path)) or "."
+    try:
+        copies: dict[str, list[str]] = {}
+        for entry in sorted(os.listdir(parent)):
+            m = _LEFTOVER.match(entry)
+            folder = os.path.join(parent, entry)
+            if not m or not os.path.isdir(folder) or os.path.getmtime(folder) >= started:
+                continue
+            if is_complete(folder):
+                copies.setdefault(m["name"], []).append(folder)
+            elif m["kind"] == "tmp" and _only_checkpoint_files(folder):
+                shutil.rmtree(folder, ignore_errors=True)
+        for name, found in copies.items():
+            target = os.path.join(parent, name)
+            if os.path.lexists(target) and not is_complete(target):
+                continue  # something else under that name: touch nothing
+            newest = max(found + ([target] if os.path.lexists(target) else []), key=_completed_at)
+            if newest != target:
+                aside = None
+                if os.path.lexists(target):
+                    aside = f"{target}.old-{uuid.uuid4().hex[:12]}"
+                    os.replace(target, aside)
+                os.replace(newest, target)
+                if aside is not None:
+                    shutil.rmtree(aside, ignore_errors=True)
+            for folder in found:
+                if folder != newest:
+                    shutil.rmtree(folder, ignore_errors=True)
+    except OSError as e:
+        warnings.warn(
+            f"save_checkpoint: the checkpoint at {path!r} is complete, but tidying what interrupted saves left in "
+            f"{parent!r} failed ({type(e).__name__}: {e})",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+def latest_checkpoint(folder: str | os.PathLike) -> str | None:
+    """The newest complete checkpoint in ``folder`` (by the time its save completed), or None when there is none:
+    what to resume from after a crash. A save that died while writing left no complete folder, so the one before
+    it is returned; one that died after completing, before its folder took its name, left a complete
+    ``<name>.tmp-<id>``, which is returned as it is (it loads; the next save gives it its name). Reads the file
+    system only (no collective): on a shared file system every rank gets the same answer."""
+    folder = _as_path(folder, "latest_checkpoint")
+    if not os.path.isdir(folder):
+        return None
+    found = [os.path.join(folder, e) for e in sorted(os.listdir(folder)) if is_complete(os.path.join(folder, e))]
+    return max(found, key=_completed_at, default=None)
 
 
 def _siblings(path: str, kind: str) -> list[str]:
@@ -510,7 +632,7 @@ def _resolve(path: str) -> str:
         if is_complete(folder):
             warnings.warn(
                 f"load_checkpoint: nothing at {path!r}, where a save was interrupted while replacing the checkpoint; "
-                f"loading the complete checkpoint it left, {folder!r} (the next save to {path!r} removes it)",
+                f"loading the complete checkpoint it left, {folder!r} (the next save in that folder gives it its name)",
                 UserWarning,
                 stacklevel=4,  # (_resolve, _open, load_checkpoint, the caller)
             )
@@ -654,60 +776,166 @@ def _check_optimizer(path: str, rec: dict, model, opt, which: int) -> list[str]:
     return fqns
 
 
-def _optim_request(path, opt, p, fqn: str, group: dict, stored: dict, request: dict, claimed: list) -> dict:
-    """Fresh buffers for the saved state of ``p`` this rank needs; returns ``{key: buffer or ('bands', {...})}``."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    base = f"optim.state.{fqn}."
-    info = shard_info(p)
-    out: dict[str, Any] = {}
-    band_keys: dict[int, list[str]] = {}
-    for key, md in stored.items():
-        if not key.startswith(base):
-            continue
-        rest = key[len(base) :]
-        if rest.startswith("bands."):
-            k = rest.split(".")[1]
-            if k.isdigit():
-                band_keys.setdefault(int(k), []).append(key)
-                continue
-        if not isinstance(md, TensorStorageMetadata):
-            request[key] = None
-            out[rest] = key
-            continue
-        dtype, size = md.properties.dtype, tuple(md.size)
-        bs = group.get("block_size")
-        if info is not None and rest.endswith("_scales") and bs and size == (-(-info.numel // bs),):
-            lo, hi = _block_ranges(_ranges(info), bs)[info.unit.rank]
-            request[key] = sharded_dtensor(torch.empty(hi - lo, dtype=dtype, device=p.device), info, block_size=bs)
-        elif info is not None and per_element_state(rest, size, info.shape):
-            request[key] = sharded_dtensor(torch.empty(p.to_local().numel(), dtype=dtype, device=p.device), info)
-        else:  # a step counter stays on the CPU, as the optimizers keep it (on a GPU: no sync per read)
-            device = "cpu" if rest == "step" and size == () else p.device
-            request[key] = torch.empty(size, dtype=dtype, device=device)
-        out[rest] = key
-    if band_keys:
-        mine = _bands_here(opt, p, group)
-        mine = set(band_keys) if mine is None else mine
-        bands = {}
-        for k in sorted(set(band_keys) & mine):
-            entries = {}
-            for key in band_keys[k]:
-                md = stored[key]
-                request[key] = torch.empty(md.size, dtype=md.properties.dtype, device=p.device)
-                entries[key[len(f"{base}bands.{k}.") :]] = key
-            bands[k] = entries
-            claimed.append((fqn, k))
-        out["bands"] = ("bands", bands, sorted(band_keys))
+def _reading_kinds(path: str, opt, fqn: str, saved: dict, declared: dict) -> dict[str, StateKind]:
+    """The kind to read each saved state key of ``fqn`` as: the one recorded at the save (checked against the
+    loading optimizer's declaration), else the declared one (a checkpoint of a version that recorded none)."""
+    cls = type(opt).__name__
+    out = dict(declared)
+    for key, rec in saved.items():
+        kind = kind_from_record(rec)
+        if kind is None:
+            raise CheckpointError(
+                f"checkpoint {path!r}: state {key!r} of {fqn!r} was saved as {rec!r}, a kind this ragged-optim "
+                "does not know: upgrade ragged-optim to load it"
+            )
+        want = declared.get(key)
+        if want is not None and want != kind:
+            raise CheckpointError(
+                f"checkpoint {path!r}: state {key!r} of {fqn!r} was saved as {kind}, but {cls}.state_schema "
+                f"declares it {want}: it would load as the wrong thing. Load it into the optimizer (and settings) "
+                "that saved it, or make state_schema declare what the checkpoint holds; nothing was loaded"
+            )
+        if want is None and isinstance(kind, Blocks):
+            raise CheckpointError(
+                f"checkpoint {path!r}: state {key!r} of {fqn!r} was saved per block ({kind}), which {cls}."
+                "state_schema does not declare for this param: each block's state is read by the rank that computes "
+                "the block, so the loading optimizer must declare it; nothing was loaded"
+            )
+        out[key] = kind
     return out
 
 
-def _local_value(v, p):
-    if isinstance(v, RaggedDTensor):
-        return v.to_local()
-    if isinstance(v, torch.Tensor) and shard_info(p) is None and v.dim() > 0 and not torch.is_floating_point(v):
-        return v.reshape(-1)  # 8-bit codes of an unsharded param are flat (one per element)
-    return v
+def _elem_buffer(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An empty element-wise state entry of ``p`` in its state-dict form (what DCP reads this rank's part into)."""
+    lp = local(p)
+    info = shard_info(p)
+    if info is not None:
+        return sharded_dtensor(torch.empty(lp.numel(), dtype=dtype, device=lp.device), info)
+    if is_dtensor(p):
+        return DTensor.from_local(
+            torch.empty(lp.shape, dtype=dtype, device=lp.device),
+            p.device_mesh,
+            p.placements,
+            run_check=False,
+            shape=p.shape,
+            stride=p.stride(),
+        )
+    return torch.empty(p.shape, dtype=dtype, device=p.device)
+
+
+def _default_reading_kind(key: str, md, p) -> StateKind:
+    """The kind of a saved entry no record or declaration names (a torch optimizer's, an older checkpoint's):
+    element-wise when it has the param's full shape (a 0-d param: every 0-d entry but torch's ``step``)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    if isinstance(md, TensorStorageMetadata):
+        size, fs = tuple(md.size), tuple(full_shape(p))
+        if size == fs and (size != () or key != "step"):
+            return Elem()
+    return Replicated()
+
+
+def _optim_request(path, opt, p, fqn: str, group: dict, rec: dict, stored: dict, request: dict, claimed: list):
+    """Fresh buffers, by kind, for the saved state of ``p`` this rank needs (a per-block entry: the blocks it
+    computes); returns ``{key: (kind, DCP key)}`` or, per block, ``{key: (kind, {block: {field: DCP key}}, all
+    saved blocks)}``."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    base = f"optim.state.{fqn}."
+    mine = {k[len(base) :]: md for k, md in stored.items() if k.startswith(base)}
+    kinds = _reading_kinds(path, opt, fqn, (rec.get("schema") or {}).get(fqn, {}), _declared(opt, p, group))
+    dict_keys = [k for k, kind in kinds.items() if is_block_dict(kind)]
+    leaves: dict[str, Any] = {}
+    blocks: dict[str, dict[int, dict[str, str]]] = {}
+    for rest, md in mine.items():
+        key = next((k for k in dict_keys if rest.startswith(k + ".")), None)
+        if key is None:
+            if "." in rest and rest not in kinds:
+                top = rest.split(".")[0]
+                raise CheckpointError(
+                    f"checkpoint {path!r}: state {top!r} of {fqn!r} is saved as nested entries ({rest!r}, ...) that "
+                    f"{type(opt).__name__}.state_schema does not declare per block: declare it "
+                    f"ro.Blocks(self.block_spec(p, group)) so that each block is read by the rank that computes it; "
+                    "nothing was loaded"
+                )
+            leaves[rest] = md
+            continue
+        index, _, field = rest[len(key) + 1 :].partition(".")
+        if not index.isdigit():
+            raise CheckpointError(
+                f"checkpoint {path!r}: state {key!r} of {fqn!r} has an entry {rest!r} not keyed by a block index"
+            )
+        blocks.setdefault(key, {}).setdefault(int(index), {})[field] = base + rest
+    out: dict[str, Any] = {}
+    distributed = process_group(p) is not None
+    for key, md in leaves.items():
+        full_key = base + key
+        kind = kinds.get(key) or _default_reading_kind(key, md, p)
+        if not isinstance(md, TensorStorageMetadata):
+            request[full_key] = None  # a Python object (DCP stores it as bytes)
+            out[key] = (kind, full_key)
+            continue
+        dtype, size = md.properties.dtype, tuple(md.size)
+        if isinstance(kind, Elem):
+            if size != tuple(full_shape(p)):
+                raise CheckpointError(
+                    f"checkpoint {path!r}: element-wise state {key!r} of {fqn!r} has shape {size}, the param "
+                    f"{tuple(full_shape(p))}: saved for another model?"
+                )
+            request[full_key] = _elem_buffer(p, dtype)
+        elif (
+            isinstance(kind, Blocks) and distributed and kind.form == "element" and size == (math.prod(full_shape(p)),)
+        ):
+            # a plain param's codes as an older version saved them (flat): read whole, cut by load_state_dict
+            request[full_key] = torch.empty(size, dtype=dtype, device=local(p).device)
+        elif isinstance(kind, Blocks) and distributed:
+            shape, ranges = block_layout(opt, p, kind)
+            if size != tuple(shape):
+                raise CheckpointError(
+                    f"checkpoint {path!r}: per-block state {key!r} of {fqn!r} has shape {size}, but {kind} of the "
+                    f"param has {tuple(shape)}: saved with another block size, or for another model?"
+                )
+            rank = dist.get_rank(process_group(p))
+            n = sum(b - a for a, b in ranges[rank])
+            buf = torch.empty(n, dtype=dtype, device=local(p).device)
+            request[full_key] = ragged_dtensor(buf, shape, ranges, rank, process_group(p))
+        else:  # replicated (a 0-d counter stays on the CPU, where the optimizers keep it: no device sync per read)
+            device = "cpu" if size == () else local(p).device
+            request[full_key] = torch.empty(size, dtype=dtype, device=device)
+        out[key] = (kind, full_key)
+    for key, saved_blocks in blocks.items():
+        here = set(opt.blocks_computed_here(p))
+        wanted = {}
+        for b in sorted(set(saved_blocks) & here):
+            for full_key in saved_blocks[b].values():
+                md = stored[full_key]
+                if isinstance(md, TensorStorageMetadata):
+                    request[full_key] = torch.empty(md.size, dtype=md.properties.dtype, device=local(p).device)
+                else:
+                    request[full_key] = None
+            wanted[b] = saved_blocks[b]
+            claimed.append((fqn, key, b))
+        out[key] = (kinds[key], wanted, sorted(saved_blocks))
+    for key in dict_keys:  # declared, nothing saved (no rank computed one of its blocks yet): an empty dict
+        if key not in out and key in (rec.get("schema") or {}).get(fqn, {}):
+            out[key] = (kinds[key], {}, [])
+    return out
+
+
+def _loaded_state(plan: dict, request: dict) -> dict:
+    """One param's loaded state from its :func:`_optim_request` plan: local pieces, per-block dicts rebuilt."""
+    st = {}
+    for key, entry in plan.items():
+        if len(entry) == 3:
+            _, wanted, _ = entry
+            st[key] = {
+                b: _unflatten_block({field: request[full] for field, full in fields.items()})
+                for b, fields in wanted.items()
+            }
+        else:
+            v = request[entry[1]]
+            st[key] = v.to_local() if isinstance(v, RaggedDTensor) else v
+    return st
 
 
 def load_checkpoint(
@@ -718,8 +946,10 @@ def load_checkpoint(
     """Load a checkpoint of :func:`save_checkpoint` (or a torch DCP checkpoint of a model: model state only) into
     ``model`` and ``optimizers`` at the current world size and layouts (any world size: pieces are resharded); a
     collective: call it on every rank after building the optimizers. Returns the saved ``extra`` (None for a torch
-    checkpoint). All or nothing: every check runs and every tensor is read before anything is written. Raises
-    :class:`CheckpointError` for an incomplete or corrupt checkpoint, another model or other optimizers."""
+    checkpoint). All or nothing: every check runs and every tensor is read before anything is written. Without
+    optimizers only the model's weights are read (from any checkpoint); optimizers must be those the checkpoint
+    was saved with. Raises :class:`CheckpointError` for an incomplete or corrupt checkpoint, another model, other
+    optimizers, or optimizer state saved as another kind than the optimizer's schema declares."""
     import torch.distributed.checkpoint as dcp
 
     from ragged_optim.optim.blocks import lock_layouts
@@ -742,33 +972,37 @@ def load_checkpoint(
             )
     else:
         prefix = "model."
-        if len(optimizers) != len(meta["optimizers"]):
+        if optimizers and len(optimizers) != len(meta["optimizers"]):
             raise CheckpointError(
                 f"checkpoint {path!r} holds {len(meta['optimizers'])} optimizers, {len(optimizers)} were given; pass "
-                "the same optimizers, in the same order, as to save_checkpoint"
+                "the same optimizers, in the same order, as to save_checkpoint (or none, to load the model's "
+                "weights only)"
             )
     request = _model_request(path, model, stored, prefix)
     plans, claimed, problem = [], [], None
     for j, opt in enumerate(optimizers):
         rec = meta["optimizers"][j]
         fqns = _check_optimizer(path, rec, model, opt, j)
-        plans.append(
-            {
-                fqn: _optim_request(path, opt, p, fqn, _group_of(opt, p), stored, request, claimed)
-                for p, fqn in zip(_opt_params(opt), fqns)
-            }
-        )
-    # Every saved Shampoo band must be read by the rank that computes it now: otherwise its state would be lost.
+        try:
+            plans.append(
+                {
+                    fqn: _optim_request(path, opt, p, fqn, _group_of(opt, p), rec, stored, request, claimed)
+                    for p, fqn in zip(_opt_params(opt), fqns)
+                }
+            )
+        except CheckpointError as e:  # (a schema check may fail on the ranks that compute a block only)
+            problem = problem or str(e)
+    _agree(problem)
+    # Every saved block must be read by the rank that computes it now: otherwise its state would be lost.
     all_claimed = set().union(*[set(c) for c in _gather_objects(claimed)])
     for plan in plans:
         for fqn, pst in plan.items():
-            spec = pst.get("bands")
-            if spec is not None:
-                lost = [k for k in spec[2] if (fqn, k) not in all_claimed]
+            for key, entry in pst.items():
+                lost = [b for b in entry[2] if (fqn, key, b) not in all_claimed] if len(entry) == 3 else []
                 if lost and problem is None:
                     problem = (
-                        f"checkpoint {path!r}: bands {lost[:4]} of {fqn!r} would be read by no rank under "
-                        "the current layout (another max_preconditioner_dim?)"
+                        f"checkpoint {path!r}: blocks {lost[:4]} of {key!r} of {fqn!r} would be read by no rank "
+                        "under the current layout (another block size, max_preconditioner_dim?)"
                     )
     _agree(problem)
     try:
@@ -785,16 +1019,7 @@ def load_checkpoint(
             index = {fqn: i for i, fqn in enumerate(rec["fqns"])}
             state = {}
             for fqn, pst in plan.items():
-                p = params[index[fqn]]
-                st = {}
-                for key, v in pst.items():
-                    if isinstance(v, tuple) and v and v[0] == "bands":
-                        st[key] = {
-                            k: _unflatten_band({n: request[full] for n, full in entries.items()})
-                            for k, entries in v[1].items()
-                        }
-                    else:
-                        st[key] = _local_value(request[v], p)
+                st = _loaded_state(pst, request)
                 if st:
                     state[index[fqn]] = st
             groups = []
@@ -826,43 +1051,37 @@ def load_checkpoint(
 
 def get_full_optimizer_state_dict(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
     """``opt.state_dict()`` as the same optimizer on the unsharded model would have it (a collective: call it on
-    every rank): element-wise state is gathered to full shape (8-bit codes too, as the one-process AdamW8bit's
-    state_dict shows them), 8-bit scales and Shampoo bands are merged from their ranks. ``param_names`` in each
-    group lists the params by model name. Load it into the unsharded model's optimizer with ``opt.load_state_dict``."""
+    every rank): by its state schema, element-wise and per-block tensors (8-bit codes and scales) are gathered to
+    their full shapes, per-block dicts (Shampoo's and SOAP's bands, a user's tiles) merged from the ranks that
+    compute them. ``param_names`` in each group lists the params by model name. Load it into the unsharded model's
+    optimizer with ``opt.load_state_dict`` (or into a sharded one at any world size: each rank takes its part)."""
     fqns = _opt_fqns(model, opt, 0)
-    sd = opt.state_dict()
+    sd = _dcp_state_dict(opt)
+    ids = [i for g in sd["param_groups"] for i in g["params"]]
+    groups_of = [g for g in opt.param_groups for _ in g["params"]]
     full_state = {}
-    for i, (p, fqn) in enumerate(zip(_opt_params(opt), fqns)):
-        state = opt.state.get(p) or {}
-        has = _gather_objects(sorted(state))  # a collective per param keeps every rank in step
-        if not any(has):
-            continue
-        # Shampoo's "bands" exist only on ranks that compute a band; every other key is on every rank
-        keys = sorted(set().union(*has))
-        if any(set(h) - {"bands"} != set(keys) - {"bands"} for h in has):
-            raise RuntimeError(f"ranks disagree on the optimizer state keys of {fqn!r}: {has}")
-        group = _group_of(opt, p)
-        info = shard_info(p)
+    for i, (pid, p, fqn, group) in enumerate(zip(ids, _opt_params(opt), fqns, groups_of)):
+        st = sd["state"].get(pid) or {}
+        dicts = {k for k, v in st.items() if is_block_dict(_entry_kind(opt, p, group, k, v, repr(fqn)))}
+        # a collective per param keeps the ranks in step; per-block dicts may be on some ranks only (the ranks that
+        # compute a block), every other key is on every rank
+        has = _gather_objects((sorted(k for k in st if k not in dicts), sorted(dicts)))
+        keys = has[0][0]
+        if any(h != keys for h, _ in has):
+            raise RuntimeError(f"ranks disagree on the optimizer state keys of {fqn!r}: {[h for h, _ in has]}")
         out = {}
         for key in keys:
-            v = state.get(key, {})
-            kind = state_kind(p, key, v, group)
-            if kind in ("object", "replicated"):
-                out[key] = v.detach().clone().cpu() if isinstance(v, torch.Tensor) else v
-            elif kind == "bands":
-                merged = {}
-                for part in _gather_objects({k: {n: _cpu(t) for n, t in b.items()} for k, b in v.items()}):
-                    merged.update(part)
-                out[key] = dict(sorted(merged.items()))
-            elif kind == "elem":
-                out[key] = info.unit.gather_full(info.index, local_of(v).detach()).reshape(info.shape).cpu()
-            else:  # block
-                lo, _ = info.local_range
-                parts = _gather_objects((lo // group["block_size"], v.detach().cpu()))
-                # by first block: under HSDP every replica holds the same blocks (the world gathers each once per
-                # replica: before, the scales came out once per replica)
-                out[key] = torch.cat([t for _, t in sorted({b: t for b, t in parts if t.numel()}.items())])
-        full_state[i] = out
+            v = st[key]
+            if isinstance(v, torch.Tensor) and hasattr(v, "placements"):
+                v = v.full_tensor()  # (a RaggedDTensor or a DTensor: a collective on its group)
+            out[key] = _cpu(v)
+        for key in sorted(set().union(*[set(d) for _, d in has])):
+            merged = {}
+            for part in _gather_objects({b: _cpu(block) for b, block in (st.get(key) or {}).items()}):
+                merged.update(part)  # (under HSDP every replica holds the same blocks)
+            out[key] = dict(sorted(merged.items()))
+        if out:
+            full_state[i] = out
     for g, start in zip(sd["param_groups"], _starts(opt)):
         g["param_names"] = fqns[start : start + len(g["params"])]
     sd["state"] = full_state
@@ -874,6 +1093,8 @@ def _cpu(v):
         return v.detach().cpu().clone()
     if isinstance(v, list | tuple):
         return type(v)(_cpu(t) for t in v)
+    if isinstance(v, Mapping):
+        return {k: _cpu(t) for k, t in v.items()}
     return v
 
 
@@ -907,13 +1128,13 @@ def check_optimizer_state_dict(opt: torch.optim.Optimizer, state_dict: dict[str,
     for gi, g in enumerate(opt.param_groups):
         for i, p in enumerate(g["params"]):
             st = state_dict.get("state", {}).get(ids[starts[gi] + i])
-            fsdp2 = isinstance(p, DTensor) and shard_info(p) is None
-            # an FSDP2 param's state is its local rows (8-bit codes: its blocks, which AdamW8bit checks itself)
-            here = p.to_local().numel() if fsdp2 or shard_info(p) is not None else p.numel()
+            here = local(p).numel()  # (an FSDP2 param's: its local rows)
+            declared = _declared(opt, p, g)
             for key, v in (st or {}).items():
-                if not isinstance(v, torch.Tensor) or v.dim() == 0 or key.endswith("_scales"):
-                    continue
-                if fsdp2 and key.endswith("_codes"):
+                # element-wise state (declared so, or an undeclared tensor: our optimizers' state always is one
+                # of the two); per-block and replicated entries are the optimizer's own to check
+                kind = declared.get(key, Elem())
+                if not isinstance(v, torch.Tensor) or v.dim() == 0 or not isinstance(kind, Elem):
                     continue
                 if v.numel() != here:
                     names = g.get("param_names")

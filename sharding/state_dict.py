@@ -5,10 +5,10 @@
 chunks, data aliasing the flat shard. ``model.load_state_dict`` takes those, full tensors (a plain model's state
 dict, ``full_state_dict=True``) or any torch DTensor (FSDP2's), checks every key and shape of the whole module tree
 before it writes anything, and copies each rank's range into the flat shard. Optimizers get the same treatment
-(our optimizers convert in their own ``state_dict``; hooks do it on any other ``torch.optim.Optimizer`` that holds
-ragged-sharded params, from its first ``step`` or ``ro.load_checkpoint``): state
-shaped like the param's local piece (``exp_avg``, ``momentum_buffer``, 8-bit codes) becomes a full-shape
-RaggedDTensor, 8-bit ``*_scales`` one over the param's blocks. See docs/checkpoint.md.
+(our optimizers convert in their own ``state_dict``, by their declared state schema; hooks do it on any other
+``torch.optim.Optimizer`` that holds ragged-sharded params, from its first ``step`` or ``ro.load_checkpoint``, by
+the default schema of :mod:`~ragged_optim.sharding.state_schema`): state shaped like the param's local piece
+(``exp_avg``, ``momentum_buffer``) becomes a full-shape RaggedDTensor. See docs/checkpoint.md.
 """
 
 from __future__ import annotations
@@ -20,11 +20,14 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ragged_optim.sharding.ragged_dtensor import RaggedDTensor, normalize_ranges, ragged_dtensor
 from ragged_optim.sharding.sharded_param import ShardInfo, local_of, shard_info
+from ragged_optim.sharding.state_schema import Elem, default_kind
 
 __all__ = [
+    "elem_local_piece",
     "local_piece",
     "get_full_state_dict",
     "install_optimizer_hooks",
@@ -32,7 +35,6 @@ __all__ = [
     "loading_strict",
     "optimizer_state_from_dcp",
     "optimizer_state_to_dcp",
-    "per_element_state",
     "register_state_dict_hooks",
     "sharded_dtensor",
 ]
@@ -48,22 +50,10 @@ def _ranges(info: ShardInfo) -> list[tuple[int, int]]:
     return [layout.local_range(r, info.index) for r in range(layout.world_size)]
 
 
-def _block_ranges(ranges, block_size: int) -> list[tuple[int, int]]:
-    out = []
-    for lo, hi in ranges:
-        a = lo // block_size if hi > lo else -(-lo // block_size)
-        out.append((a, -(-hi // block_size) if hi > lo else a))
-    return out
-
-
-def sharded_dtensor(local: torch.Tensor, info: ShardInfo, *, block_size: int | None = None) -> RaggedDTensor:
-    """``local`` (laid out like the sharded param of ``info``: one value per local element, or with ``block_size``
-    one per local block) as a RaggedDTensor of the param's full shape (of ``ceil(numel / block_size)`` blocks)."""
-    ranges = _ranges(info)
-    shape = info.shape
-    if block_size is not None:
-        ranges, shape = _block_ranges(ranges, block_size), (-(-info.numel // block_size),)
-    return ragged_dtensor(local, shape, ranges, info.unit.rank, info.unit.group)
+def sharded_dtensor(local: torch.Tensor, info: ShardInfo) -> RaggedDTensor:
+    """``local`` (laid out like the sharded param of ``info``: one value per local element) as a RaggedDTensor of
+    the param's full shape."""
+    return ragged_dtensor(local, info.shape, _ranges(info), info.unit.rank, info.unit.group)
 
 
 def _full_value(v: torch.Tensor) -> torch.Tensor:
@@ -206,53 +196,46 @@ def _params_of(opt) -> list[torch.Tensor]:
     return [p for g in opt.param_groups for p in g["params"]]
 
 
-def per_element_state(key: str, shape, full_shape) -> bool:
-    """Whether a full-shaped optimizer state entry ``key`` of ``shape`` holds one value per element of a ragged
-    param of ``full_shape`` (moments, momentum) rather than a scalar (the step counter). A 0-d param's (a learnable
-    temperature's) moments are 0-d like the counter: there every 0-d entry but ``step`` (torch's name) is one."""
-    shape, full_shape = tuple(shape), tuple(full_shape)
-    return shape == full_shape and (len(shape) >= 1 or key != "step")
-
-
-def _state_layout(p, key: str, value, group: dict, state: dict):
-    """How a top-level optimizer state entry of ragged param ``p`` is laid out: "elem" (one value per local
-    element), "block" (8-bit scales, one per local block of ``group['block_size']``) or None (kept as is)."""
-    if not isinstance(value, torch.Tensor) or isinstance(value, RaggedDTensor) or value.dim() == 0:
-        return None
-    if key.endswith("_scales") and "block_size" in group and f"{key[: -len('_scales')]}_codes" in state:
-        return "block"
-    if value.shape == local_of(p).shape:
-        return "elem"
-    return None
+def _local_shape(p: torch.Tensor) -> tuple:
+    """The shape of a ragged param's local piece (the param itself, or a DTensor's local tensor)."""
+    return tuple(p.to_local().shape) if hasattr(p, "to_local") else tuple(p.shape)
 
 
 def optimizer_state_to_dcp(opt: torch.optim.Optimizer, state_dict: dict) -> dict:
-    """``opt.state_dict()`` with the state of ragged params as RaggedDTensors (full shapes); new dicts, the
-    optimizer's own state is not touched. Idempotent."""
+    """``opt.state_dict()`` with the element-wise state of ragged params as RaggedDTensors (full shapes); new dicts,
+    the optimizer's own state is not touched. Idempotent. For optimizers without a state schema (torch's): the
+    entries :func:`~ragged_optim.sharding.state_schema.default_kind` takes for :class:`Elem` are converted, every
+    other entry is left as it is. (Our optimizers declare their schema and convert their own state.)"""
     ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-    groups = [g for g in opt.param_groups for _ in g["params"]]
     new_state = dict(state_dict["state"])
-    for pid, p, group in zip(ids, _params_of(opt), groups):
+    for pid, p in zip(ids, _params_of(opt)):
         info = shard_info(p)
         st = new_state.get(pid)
         if info is None or not st:
             continue
         out = {}
         for k, v in st.items():
-            kind = _state_layout(p, k, v, group, st)
-            if kind == "elem":
-                v = sharded_dtensor(v, info)
-            elif kind == "block":
-                v = sharded_dtensor(v, info, block_size=group["block_size"])
+            if isinstance(v, torch.Tensor) and not isinstance(v, RaggedDTensor) and v.dim() > 0:
+                if isinstance(default_kind(k, v, _local_shape(p), info.shape), Elem):
+                    v = sharded_dtensor(v, info)
             out[k] = v
         new_state[pid] = out
     return {**state_dict, "state": new_state}
 
 
+def elem_local_piece(v: Any, info: ShardInfo, local_shape) -> Any:
+    """This rank's piece of an element-wise state entry ``v`` of the ragged param of ``info``: a RaggedDTensor, a
+    torch DTensor or a full tensor (of the param's full shape) is cut to this rank's elements; a rank-local piece
+    passes as it is."""
+    if isinstance(v, torch.Tensor) and (hasattr(v, "placements") or tuple(v.shape) == tuple(info.shape)):
+        return local_piece(v, _ranges(info), info.unit.rank, info.shape, local_shape)
+    return v
+
+
 def optimizer_state_from_dcp(opt: torch.optim.Optimizer, state_dict: Any) -> Any:
-    """The inverse for loading: RaggedDTensors, torch DTensors and full tensors of ragged params' state become this
-    rank's local pieces (rank-local tensors pass as they are). Anything else is returned unchanged for the
-    optimizer's own checks to judge."""
+    """The inverse for loading (optimizers without a state schema): entries of ragged params that
+    :func:`default_kind` takes for :class:`Elem` (RaggedDTensors, torch DTensors and full tensors) become this rank's
+    local pieces; rank-local tensors and anything else pass unchanged for the optimizer's own checks to judge."""
     if not (isinstance(state_dict, dict) and isinstance(state_dict.get("state"), dict)):
         return state_dict
     saved_groups = state_dict.get("param_groups")
@@ -262,30 +245,19 @@ def optimizer_state_from_dcp(opt: torch.optim.Optimizer, state_dict: Any) -> Any
     params = _params_of(opt)
     if len(ids) != len(params):
         return state_dict  # torch's own group-size check says what is wrong
-    groups = [g for g in saved_groups for _ in g.get("params", [])]
     new_state = dict(state_dict["state"])
-    for pid, p, group in zip(ids, params, groups):
+    for pid, p in zip(ids, params):
         info = shard_info(p)
         st = new_state.get(pid)
         if info is None or not isinstance(st, dict):
             continue
+        local = _local_shape(p)
         out = {}
         for k, v in st.items():
-            sharded = isinstance(v, RaggedDTensor) or hasattr(v, "placements")  # a RaggedDTensor or torch DTensor
-            if isinstance(v, torch.Tensor) and (v.dim() > 0 or (info.shape == () and (sharded or k != "step"))):
-                if k.endswith("_scales") and "block_size" in group and f"{k[: -len('_scales')]}_codes" in st:
-                    bs = group["block_size"]
-                    ranges = _block_ranges(_ranges(info), bs)
-                    nb = -(-info.numel // bs)
-                    lo, hi = ranges[info.unit.rank]
-                    v = local_piece(v, ranges, info.unit.rank, (nb,), (hi - lo,))
-                elif sharded or per_element_state(k, v.shape, info.shape):
-                    v = local_piece(v, _ranges(info), info.unit.rank, info.shape, local_of(p).shape)
-                elif k.endswith("_codes") and v.dim() == 1 and v.numel() == info.numel > local_of(p).numel():
-                    # 8-bit codes a plain param's optimizer saved flat (before its state dict shaped them like it)
-                    v = local_piece(v.view(info.shape), _ranges(info), info.unit.rank, info.shape, local_of(p).shape)
-                local_elems = v.dim() >= 1 and v.shape == local_of(p).shape and not isinstance(v, RaggedDTensor)
-                if local_elems and not getattr(opt, "keeps_local_state", False):
+            if isinstance(default_kind(k, v, local, info.shape), Elem):
+                v = elem_local_piece(v, info, local)
+                local_elems = isinstance(v, torch.Tensor) and v.dim() >= 1 and tuple(v.shape) == local
+                if local_elems and not isinstance(v, RaggedDTensor) and not getattr(opt, "keeps_local_state", False):
                     v = sharded_dtensor(v, info)  # torch's optimizers keep state like their params: full-shape
             out[k] = v
         new_state[pid] = out
@@ -304,6 +276,8 @@ def install_optimizer_hooks(opt: torch.optim.Optimizer) -> None:
     """State-dict hooks on ``opt`` (once) if it holds ragged params: see the module doc. Called at an optimizer's
     first step and by ``ro.load_checkpoint``, which gives an optimizer state before any step (without them the
     state dict read right after a load held flat pieces)."""
+    if getattr(opt, "converts_own_state_dict", False):  # ours: a declared state schema, read by its state_dict
+        return
     if opt.__dict__.get("_ragged_sd_hooks") or not any(shard_info(p) is not None for p in _params_of(opt)):
         return
     opt.register_state_dict_post_hook(_opt_post_hook)
@@ -364,7 +338,7 @@ def get_full_state_dict(model: nn.Module, *, cpu: bool = True) -> dict[str, torc
     out = {}
     for name, t in model.state_dict().items():
         if isinstance(t, torch.Tensor):
-            t = t.full_tensor() if isinstance(t, RaggedDTensor) else t.detach()
+            t = t.full_tensor() if isinstance(t, DTensor) else t.detach()  # (ours, and an FSDP2 model's)
             t = t.cpu() if cpu else t
         out[name] = t
     return out

@@ -475,7 +475,7 @@ def test_band_state_through_torchs_full_state_dict_is_refused_on_every_rank(name
     Shampoo loaded it and the other ranks went on with fresh preconditioners (a different loss at the next step);
     SOAP refused it with "has band '0', but the param has 1 bands" (the keys had become strings)."""
     for err in run_on_ranks(torch_full_path, 2, name):
-        assert err is not None and "string keys" in err and "holds the saving rank's bands only" in err
+        assert err is not None and "string keys" in err and "holds the saving rank's blocks only" in err
         assert "ro.get_full_optimizer_state_dict" in err
 
 

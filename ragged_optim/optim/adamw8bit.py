@@ -53,6 +53,7 @@ from ragged_optim.optim.base import full_shape, is_dtensor, local, local_range, 
 from ragged_optim.optim.muon import adamw_group_update_
 from ragged_optim.optim.optimizer import RaggedOptimizer, check_eps_in_dtype, check_int, check_real, check_reals
 from ragged_optim.sharding import BlockSpec, shard_info
+from ragged_optim.sharding.state_schema import Blocks, Elem, Replicated
 
 __all__ = ["AdamW8bit", "DEFAULT_QMAPS", "STATE_KEYS_8BIT"]
 
@@ -179,6 +180,22 @@ class AdamW8bit(RaggedOptimizer):
     def _state_keys(self, group: dict[str, Any], p: Tensor) -> tuple[str, ...]:
         return ("step", *STATE_KEYS_8BIT) if self._is_8bit(p, group) else ("step", "exp_avg", "exp_avg_sq")
 
+    def state_schema(self, p: Tensor, group: dict[str, Any]) -> dict[str, Any]:
+        """An 8-bit param's codes: the elements of the quantization blocks this rank computes; its scales: one per
+        such block; ``step`` and ``m_bound_sq``: replicated. Other params: torch's AdamW state."""
+        if not self._is_8bit(p, group):
+            return {"step": Replicated(), "exp_avg": Elem(), "exp_avg_sq": Elem()}
+        spec = self.block_spec(p, group)
+        codes, scales = Blocks(spec, form="element"), Blocks(spec, form="value")
+        return {
+            "step": Replicated(),
+            "m_bound_sq": Replicated(),
+            "exp_avg_codes": codes,
+            "exp_avg_sq_codes": codes,
+            "exp_avg_scales": scales,
+            "exp_avg_sq_scales": scales,
+        }
+
     @staticmethod
     def _numel(p: Tensor) -> int:
         return math.prod(full_shape(p))
@@ -249,21 +266,20 @@ class AdamW8bit(RaggedOptimizer):
         rank = dist.get_rank(pg)
         return [(s, e) for s, e, route in self._routing(pg).routed[id(p)] if route.owner == rank]
 
-    def fsdp2_state_layout(self, p: Tensor, key: str, group: dict[str, Any]) -> tuple | None:
-        """How the 8-bit state entry ``key`` of an FSDP2 (DTensor) param lies in a global tensor, for its state dict
-        (``optim/dtensor_state.py``): ``(global shape, every rank's flat ranges)``, or None for other entries. The
-        codes are elements of the full param (each rank's :meth:`state_ranges`), the scales its blocks."""
-        if not (key.endswith("_codes") or key.endswith("_scales")) or not self._is_8bit(p, group):
-            return None
+    def block_state_ranges(self, p: Tensor) -> list[list[tuple[int, int]]]:
+        """Every rank's 8-bit state of an FSDP2 (DTensor) param, as flat element ranges in the order its codes and
+        scales hold them (:meth:`state_ranges` of each rank): the blocks wholly inside its row chunk, then the
+        chunk-boundary-cut blocks it owns. Other params: the blocks each rank computes, in order."""
+        group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
+        if not (is_dtensor(p) and shard_info(p) is None and self._is_8bit(p, group)):
+            return super().block_state_ranges(p)
         bs, numel = group["block_size"], self._numel(p)
         owners = self._routing(process_group(p)).routed[id(p)]
-        ranges = []
+        out = []
         for r, (lo, hi) in enumerate(local_ranges(p)):
             a, b = self._interior(lo, hi, numel, bs)
-            ranges.append([(a, b)] + [(s, e) for s, e, route in owners if route.owner == r])
-        if key.endswith("_codes"):
-            return tuple(full_shape(p)), ranges
-        return (num_blocks(numel, bs),), [[(s // bs, -(-e // bs)) for s, e in rs if e > s] for rs in ranges]
+            out.append([(a, b)] + [(s, e) for s, e, route in owners if route.owner == r])
+        return out
 
     def state_ranges(self, p: Tensor, group: dict[str, Any] | None = None) -> list[tuple[int, int]]:
         """Flat element ranges ``[s, e)`` of the full param that this rank's state of ``p`` holds, in the order of
@@ -401,24 +417,6 @@ class AdamW8bit(RaggedOptimizer):
             r = torch.where((r == 0) & (m != 0), m.abs(), r)
             quantize_blockwise(r, bs, v_fmt, codes=codes, scales=scales)
             n0, b0 = n0 + n, b0 + nb
-
-    def state_dict(self) -> dict[str, Any]:
-        """torch's, with the 8-bit codes of a plain param shaped like the param (views; the optimizer holds them
-        flat): a sharded model's state dict holds them at the param's full shape too, so torch's distributed
-        checkpoint moves them between a plain model and a sharded one. Loading takes either shape."""
-        sd = super().state_dict()
-        params = [p for g in self.param_groups for p in g["params"]]
-        ids = [i for g in sd["param_groups"] for i in g["params"]]
-        state = dict(sd["state"])
-        for pid, p in zip(ids, params):
-            st = state.get(pid)
-            if not st or shard_info(p) is not None or is_dtensor(p):
-                continue
-            state[pid] = {
-                k: v.view(p.shape) if k.endswith("_codes") and isinstance(v, Tensor) and v.numel() == p.numel() else v
-                for k, v in st.items()
-            }
-        return {**sd, "state": state}
 
     def dequantized_state(self, p: Tensor) -> dict[str, Tensor]:
         """``exp_avg`` and ``exp_avg_sq`` of ``p`` as fp32 tensors of this rank's local elements (flat for 8-bit

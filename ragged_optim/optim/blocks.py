@@ -25,11 +25,11 @@ from torch import Tensor
 from ragged_optim.comm.collectives import same_on_every_rank
 from ragged_optim.comm.owner_exchange import BlockRoute, OwnerExchange
 from ragged_optim.optim.base import full_shape, local, local_range, local_ranges, process_group
-from ragged_optim.optim.dtensor_state import dtensor_state_from_dcp, dtensor_state_to_dcp
+from ragged_optim.optim.state_schema import declared_schema, is_block_dict, state_from_dcp, state_to_dcp
 from ragged_optim.sharding import BlockSpec, shard_info
 from ragged_optim.sharding.owner_routes import balanced_owners, blocks_over_ranges, ragged_routes
 from ragged_optim.sharding.planner import assign_owners_jointly
-from ragged_optim.sharding.state_dict import optimizer_state_from_dcp, optimizer_state_to_dcp
+from ragged_optim.sharding.state_schema import StateKind
 
 __all__ = [
     "Block",
@@ -227,6 +227,31 @@ def _local_block_spans(spec: BlockSpec, lo: int, hi: int, numel: int, skip: set[
     return out
 
 
+def _computed_spans(spec: BlockSpec, lo: int, hi: int, numel: int, routed: list, rank: int) -> list[tuple[int, int]]:
+    """The blocks rank ``rank`` computes, as sorted, merged flat ranges: those wholly inside its ``[lo, hi)`` that are
+    not routed elsewhere, and the routed ones it owns (a few: no loop over every block of a large param)."""
+    spans = []
+    if hi > lo:
+        s0, e0 = spec.block_of(lo, numel)
+        a = lo if s0 == lo else e0  # the first block boundary at or after lo
+        b = hi if hi >= numel else spec.block_of(hi, numel)[0]  # the last one at or before hi
+        x = a
+        for s, e in sorted((s, e) for s, e, _ in routed if s >= a and e <= b):
+            if s > x:
+                spans.append((x, s))
+            x = max(x, e)
+        if b > x:
+            spans.append((x, b))
+    spans += [(s, e) for s, e, route in routed if route is not None and route.owner == rank]
+    merged: list[tuple[int, int]] = []
+    for s, e in sorted(spans):
+        if merged and merged[-1][1] == s:
+            merged[-1] = (merged[-1][0], e)
+        else:
+            merged.append((s, e))
+    return merged
+
+
 def _layout_value(v):
     return tuple(v) if isinstance(v, list) else v  # a state dict may turn a tuple into a list
 
@@ -249,6 +274,9 @@ class BlockOptimizer(torch.optim.Optimizer):
     #: State of ragged-sharded params is kept as this rank's local pieces (the step computes on ``local(p)``); the
     #: sharding layer's loaders hand torch's optimizers full-shape RaggedDTensor state instead, like their params.
     keeps_local_state = True
+    #: ``state_dict`` / ``load_state_dict`` convert the state of ragged and FSDP2 params themselves, by the
+    #: :meth:`state_schema` (the sharding layer's hooks for torch's optimizers leave this one alone).
+    converts_own_state_dict = True
 
     def __init__(self, params, defaults: dict[str, Any], *, allow_split: bool = True) -> None:
         super().__init__(params, defaults)
@@ -256,6 +284,7 @@ class BlockOptimizer(torch.optim.Optimizer):
         self.declare_param_blocks()
         self._blocks_declared = True
         self.register_step_pre_hook(lambda opt, args, kwargs: opt._lock_block_layouts())
+        self.register_step_post_hook(lambda opt, args, kwargs: opt._hold_block_state_keys())
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """torch's; on a built optimizer the new group's blocks are declared at the next step (a collective, as the
@@ -265,18 +294,74 @@ class BlockOptimizer(torch.optim.Optimizer):
         if self.__dict__.get("_blocks_declared"):
             self._blocks_stale = True
 
+    def state_schema(self, p: Tensor, group: dict[str, Any]) -> dict[str, StateKind]:
+        """What each state entry of ``p`` (in ``group``) is: ``{key: ro.Elem() | ro.Blocks(spec, form=...) |
+        ro.Replicated()}``; every save and load path reads it (docs/custom_optimizer.md, "State"). A key it leaves
+        out takes the default: a tensor shaped like ``local(p)`` is ``Elem``, a 0-d tensor or a number
+        ``Replicated``; other state under an undeclared key (a dict of per-block tensors) is refused at save.
+        Override it when the state holds more than that; ``Blocks`` takes the param's own :meth:`block_spec`."""
+        return {}
+
+    def block_state_ranges(self, p: Tensor) -> list[list[tuple[int, int]]]:
+        """Every rank's blocks of ``p`` that it computes, as flat element ranges ``[start, end)`` of the full param,
+        in the order a ``Blocks(spec, form="value" | "element")`` state tensor holds them: the order of
+        :meth:`blocks_computed_here` (AdamW8bit overrides it for its FSDP2 layout). One entry per rank of ``p``'s
+        process group; a plain param's one rank computes every block."""
+        cache = self.__dict__.setdefault("_block_state_ranges", {})
+        if id(p) not in cache:
+            spec = self._spec_of(p)
+            numel = max(1, int(torch.Size(full_shape(p)).numel()))
+            group = process_group(p)
+            if group is None:
+                cache[id(p)] = [[(0, numel)]]
+            else:
+                routed = self._routing(group).routed[id(p)]
+                cache[id(p)] = [
+                    _computed_spans(spec, lo, hi, numel, routed, r) for r, (lo, hi) in enumerate(local_ranges(p))
+                ]
+        return cache[id(p)]
+
+    @torch._disable_dynamo  # (bookkeeping; ``torch.compile(opt.step)`` traces the step hooks)
+    def _block_dict_state_keys(self) -> list[tuple[Tensor, list[str]]]:
+        """Each param's ``Blocks(..., form="dict")`` keys; reading them checks every param's schema (before the
+        first step, so that a schema of the wrong type is an error before anything is updated)."""
+        held = self.__dict__.get("_block_dict_keys")
+        if held is None:
+            held = []
+            for g in self.param_groups:
+                for p in g["params"]:
+                    keys = [k for k, kind in declared_schema(self, p, g).items() if is_block_dict(kind)]
+                    if keys:
+                        held.append((p, keys))
+            self._block_dict_keys = held
+        return held
+
+    @torch._disable_dynamo
+    def _hold_block_state_keys(self) -> None:
+        """After a step, every param that had a grad holds each ``Blocks(..., form="dict")`` key it declares (an
+        empty dict on a rank that computes none of its blocks): torch's ``set_state_dict`` refuses a param without
+        state ("Missing optimizer state for parameter"), and ``get_state_dict`` runs a step of its own on a rank
+        whose state is empty (alone: a collective the others never join)."""
+        for p, keys in self._block_dict_state_keys():
+            if p.grad is not None:
+                st = self.state[p]
+                for k in keys:
+                    st.setdefault(k, {})
+
     def state_dict(self) -> dict[str, Any]:
-        """torch's, with the state of ragged params as full-shape RaggedDTensors and that of FSDP2 params as
-        DTensors (as torch's optimizers keep it), from construction on. (The hooks that do the first for torch's
-        optimizers arrive at their first step; a state dict read before that, right after a load, held each rank's
-        flat pieces under the param, silently; a user's optimizer on FSDP2 params saved its local rows as if they
-        were the whole tensor.)"""
-        return dtensor_state_to_dcp(self, optimizer_state_to_dcp(self, super().state_dict()))
+        """torch's, converted by :meth:`state_schema` from construction on (``optim/state_schema.py``): the
+        element-wise state of ragged params as full-shape RaggedDTensors, of FSDP2 params as DTensors (as torch's
+        optimizers keep it), per-block tensors as RaggedDTensors over the param's blocks, per-block dicts by block
+        index. Raises a ValueError naming the key and the fix for state the schema does not cover or disagrees
+        with. (Before, the hooks that do the first for torch's optimizers arrived at their first step: a state
+        dict read right after a load held each rank's flat pieces, silently.)"""
+        return state_to_dcp(self, super().state_dict())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's, taking the state of ragged and FSDP2 params in any form :meth:`state_dict` and DCP give (full
-        tensors, (Ragged)DTensors, this rank's pieces), before as after the first step."""
-        super().load_state_dict(dtensor_state_from_dcp(self, optimizer_state_from_dcp(self, state_dict)))
+        tensors, (Ragged)DTensors, this rank's pieces), before as after the first step; per-block dicts keep the
+        blocks this rank computes."""
+        super().load_state_dict(state_from_dcp(self, state_dict))
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -301,8 +386,9 @@ class BlockOptimizer(torch.optim.Optimizer):
             [(p, s) for g in self.param_groups for p in g["params"] if (s := self.block_spec(p, g)) is not None],
             allow_split=self._block_allow_split,
         )
-        self.__dict__.pop("_block_routing", None)
-        self.__dict__.pop("_block_specs", None)
+        caches = ("_block_routing", "_block_specs", "_block_state_ranges", "_state_schema_cache", "_block_dict_keys")
+        for cache in caches:
+            self.__dict__.pop(cache, None)
         self._declared_groups = len(self.param_groups)
         self.record_layout()
 
@@ -350,6 +436,7 @@ class BlockOptimizer(torch.optim.Optimizer):
         if not self.__dict__.get("_layouts_locked"):
             lock_layouts(p for g in self.param_groups for p in g["params"])
             self._layouts_locked = True
+            self._block_dict_state_keys()
 
     def _spec_of(self, p: Tensor) -> BlockSpec:
         specs = self.__dict__.setdefault("_block_specs", {})

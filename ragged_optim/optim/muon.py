@@ -44,6 +44,7 @@ from ragged_optim.optim.blocks import check_wire_dtype
 from ragged_optim.optim.muon_batches import SmallMatrixBatch, SmallMatrixBatches
 from ragged_optim.optim.optimizer import RaggedOptimizer, check_bool, check_eps_in_dtype, check_real, check_reals
 from ragged_optim.sharding import BlockSpec, shard_info
+from ragged_optim.sharding.state_schema import Elem, Replicated
 
 __all__ = ["Muon", "MuonItem", "adamw_update_", "adjust_lr", "BF16_NS_REL_TOL"]
 
@@ -442,6 +443,12 @@ class Muon(RaggedOptimizer):
 
     def _state_keys(self, group: dict[str, Any], p: Tensor) -> tuple[str, ...]:
         return ("momentum_buffer",) if group["use_muon"] else ("step", "exp_avg", "exp_avg_sq")
+
+    def state_schema(self, p: Tensor, group: dict[str, Any]) -> dict[str, Any]:
+        """Muon's momentum, AdamW's moments: one value per element; AdamW's step counter: replicated."""
+        if group["use_muon"]:
+            return {"momentum_buffer": Elem()}
+        return {"step": Replicated(), "exp_avg": Elem(), "exp_avg_sq": Elem()}
 
     def _check_params(self, gi: int, group: dict[str, Any], *, explicit: bool) -> None:
         for i, p in enumerate(group["params"]):

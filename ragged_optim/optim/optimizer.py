@@ -10,13 +10,11 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from ragged_optim.optim.base import full_shape, is_dtensor, local, process_group, scalar
+from ragged_optim.optim.base import full_shape, is_dtensor, local, scalar
 from ragged_optim.optim.blocks import BlockOptimizer
-from ragged_optim.optim.dtensor_state import dtensor_state_from_dcp
 from ragged_optim.optim.nonfinite import guard_step
-from ragged_optim.sharding.state_dict import optimizer_state_from_dcp
+from ragged_optim.optim.state_schema import state_from_dcp
 
 
 def _shown(value: Any) -> str:
@@ -255,7 +253,7 @@ class RaggedOptimizer(BlockOptimizer):
         pre, post = self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks
         self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks = {}, {}
         try:
-            local_pieces = dtensor_state_from_dcp(self, optimizer_state_from_dcp(self, self._dtypes_back(state_dict)))
+            local_pieces = state_from_dcp(self, self._dtypes_back(state_dict))
             self._load_checked_state_dict(_steps_on_cpu(local_pieces))
         finally:
             self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks = pre, post
@@ -285,16 +283,6 @@ class RaggedOptimizer(BlockOptimizer):
         torch.optim.Optimizer.load_state_dict(self, {**state_dict, "state": state})
         for p, dtype, entries in kept:
             self.state[p].update(_moved(entries, local(p).device, dtype))
-
-
-def _step_of(state: dict) -> float | None:
-    step = state.get("step")
-    return float(step) if isinstance(step, torch.Tensor | int | float) else None
-
-
-def _band_step(band) -> float | None:
-    """The step a saved band was last updated at (None: a band saved before bands kept it)."""
-    return _step_of(band) if isinstance(band, dict) else None
 
 
 def _moved(v, device: torch.device, dtype: torch.dtype):
@@ -368,68 +356,6 @@ class BandPreconditionerChecks:
                     f"{self._param_label(gi, i)} has no elements; {name} has nothing to precondition. Leave it out "
                     "of the optimizer (it has nothing to learn)."
                 )
-
-    def _load_checked_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super()._load_checked_state_dict(self._bands_for_this_rank(state_dict))
-
-    def _bands_for_this_rank(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """The saved ``bands`` of each param narrowed to those this rank computes (each band's state lives on one
-        rank; a full state dict holds them all), keyed by int (torch's state-dict flattening makes the keys
-        strings). A param stepped before the save must have every band this rank computes: a state dict that holds
-        only some ranks' bands (torch's ``get_state_dict(..., full_state_dict=True)`` keeps rank 0's) is refused
-        rather than loaded with fresh preconditioners."""
-        saved, state = state_dict.get("param_groups"), state_dict.get("state")
-        if not (isinstance(saved, list) and isinstance(state, dict)):
-            return state_dict  # the checks say what is wrong
-        ids = [i for g in saved if isinstance(g, dict) for i in g.get("params", [])]
-        entries = [(gi, i, p) for gi, g in enumerate(self.param_groups) for i, p in enumerate(g["params"])]
-        if len(ids) != len(entries):
-            return state_dict
-        new_state = dict(state)
-        for key, (gi, i, p) in zip(ids, entries):
-            st = state.get(key)
-            if not isinstance(st, dict) or self.block_spec(p, self.param_groups[gi]) is None:
-                continue
-            bands = st.get("bands", {})
-            if not isinstance(bands, dict):
-                continue
-            cls = type(self).__name__
-            group = process_group(p)  # (bands on other ranks: a distributed param over more than one)
-            if any(isinstance(k, str) for k in bands) and group is not None and dist.get_world_size(group) > 1:
-                raise ValueError(
-                    f"{cls}.load_state_dict: the saved bands of {self._param_label(gi, i)} have string keys: this "
-                    "state came through torch's set_state_dict(..., full_state_dict=True), which holds the saving "
-                    "rank's bands only (each band's state lives on one rank), so the other ranks would restart with "
-                    "fresh preconditioners. Save and load with DCP's sharded state dict (get_state_dict without "
-                    "full_state_dict, dcp.save / dcp.load), ro.save_checkpoint / ro.load_checkpoint, or "
-                    "ro.get_full_optimizer_state_dict(model, opt) and opt.load_state_dict"
-                )
-            bands = {int(k) if isinstance(k, str) and k.isdigit() else k: v for k, v in bands.items()}
-            here = set(self.blocks_computed_here(p))
-            missing = sorted(here - set(bands))
-            if missing and "step" in st:
-                raise ValueError(
-                    f"{cls}.load_state_dict: the saved state of {self._param_label(gi, i)} lacks its band(s) "
-                    f"{missing[:4]}, which this rank computes (it has {sorted(bands)[:4]}). Each band's state lives "
-                    "on one rank, and torch's get_state_dict(..., full_state_dict=True) keeps rank 0's only: save "
-                    "with ro.get_full_optimizer_state_dict(model, opt) (all bands), DCP's sharded state dict, or "
-                    "ro.save_checkpoint"
-                )
-            step = _step_of(st)  # (no step: the key checks say what is missing)
-            stale = [
-                k for k in sorted(here & set(bands)) if step is not None and _band_step(bands[k]) not in (None, step)
-            ]
-            if stale:
-                raise ValueError(
-                    f"{cls}.load_state_dict: band(s) {stale[:4]} of {self._param_label(gi, i)} were last updated at "
-                    f"step {_band_step(bands[stale[0]]):g}, the param's saved state is at step {step:g}: the "
-                    "state dict mixes bands of two runs. torch's get_state_dict(..., full_state_dict=True) keeps the "
-                    "saving rank's bands only, and its loader fills the others from the loading optimizer's own "
-                    "first step. Save with ro.get_full_optimizer_state_dict(model, opt) (all bands), DCP's sharded "
-                    "state dict, or ro.save_checkpoint"
-                )
-            new_state[key] = {**st, "bands": {k: v for k, v in bands.items() if k in here or not isinstance(k, int)}}
-        return {**state_dict, "state": new_state}
 
     def _grad_of(self, gi: int, i: int, p: torch.Tensor) -> torch.Tensor | None:
         grad = super()._grad_of(gi, i, p)

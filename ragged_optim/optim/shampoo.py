@@ -51,6 +51,7 @@ from ragged_optim.kernels.matrix_root import RootInverseError, matrix_inverse_ro
 from ragged_optim.optim.base import full_shape, local
 from ragged_optim.optim.optimizer import BandPreconditionerChecks, RaggedOptimizer, check_int, check_real, check_reals
 from ragged_optim.sharding import BlockSpec
+from ragged_optim.sharding.state_schema import Blocks, Elem, Replicated
 
 __all__ = ["Shampoo", "GRAFTING_METHODS", "shampoo_band_spec", "matrix_view_shape"]
 
@@ -300,6 +301,15 @@ class Shampoo(BandPreconditionerChecks, RaggedOptimizer):
 
     def _state_keys(self, group: dict[str, Any], p: Tensor) -> tuple[str, ...]:
         return ("step",)  # momentum, bands and grafting state are created when missing
+
+    def state_schema(self, p: Tensor, group: dict[str, Any]) -> dict[str, Any]:
+        """``step``: replicated; ``momentum`` (and a vector's ``graft`` / ``diag``): one value per element; a
+        matrix's ``bands``: one dict of factors, roots and grafting state per band (block) of its block spec."""
+        schema = {"step": Replicated(), "momentum": Elem(), "graft": Elem(), "diag": Elem()}
+        spec = self.block_spec(p, group)
+        if spec is not None:
+            schema["bands"] = Blocks(spec)
+        return schema
 
     def _state_dtype(self, p: Tensor) -> torch.dtype:
         return torch.float32  # statistics, roots, momentum and grafting state, whatever the param's dtype

@@ -68,6 +68,7 @@ from ragged_optim.optim.optimizer import (
     check_reals,
 )
 from ragged_optim.optim.shampoo import matrix_view_shape, shampoo_band_spec
+from ragged_optim.sharding.state_schema import Blocks, Elem, Replicated
 
 __all__ = [
     "SOAP",
@@ -294,6 +295,14 @@ class SOAP(BandPreconditionerChecks, RaggedOptimizer):
 
     def _state_keys(self, group: dict[str, Any], p: Tensor) -> tuple[str, ...]:
         return ("step",)
+
+    def state_schema(self, p: Tensor, group: dict[str, Any]) -> dict[str, Any]:
+        """``step``: replicated; a matrix's ``bands``: one dict of factors, bases and moments per band (block);
+        a vector's ``exp_avg`` / ``exp_avg_sq``: one value per element."""
+        spec = self.block_spec(p, group)
+        if spec is not None:
+            return {"step": Replicated(), "bands": Blocks(spec)}
+        return {"step": Replicated(), "exp_avg": Elem(), "exp_avg_sq": Elem()}
 
     def _state_dtype(self, p: Tensor) -> torch.dtype:
         return compute_dtype(local(p).dtype)  # statistics, bases and moments: float32 (float64 for float64 params)
