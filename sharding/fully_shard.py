@@ -437,6 +437,14 @@ def _check_no_split_ties(module: nn.Module) -> None:
 
 def _check_params(module: nn.Module, params, names):
     for p, n in zip(params, names):
+        if hasattr(p, "placements") and hasattr(p, "device_mesh"):  # tensor parallel's DTensors, or FSDP2's
+            raise NotImplementedError(
+                f"fully_shard: param {n!r} is already a DTensor (placements {tuple(p.placements)} on "
+                f"{p.device_mesh}), e.g. from torch's parallelize_module (tensor parallel) or torch's fully_shard: "
+                "ragged_optim.fully_shard shards plain params over one mesh dim and does not compose with tensor "
+                "parallel yet. Shard this model with torch's fully_shard (our optimizers take its params), or "
+                "apply ragged_optim.fully_shard to a model without tensor parallel"
+            )
         if not p.is_floating_point():
             raise TypeError(f"fully_shard: param {n!r} has dtype {p.dtype}; only floating-point params can be sharded")
     if params:

@@ -296,5 +296,20 @@ def ragged_dtensor(local: torch.Tensor, shape, ranges, rank: int, group) -> Ragg
     return build_ragged(local.reshape(-1), shape, ranges, rank, group)
 
 
+def _register_foreach_support() -> None:
+    """torch's optimizers and ``clip_grad_norm_`` take their foreach (multi-tensor) paths only for tensor types in
+    these lists, which DTensor adds itself to; without this, torch.optim.AdamW on our params ran its per-param loop,
+    every op a Python dispatch: 1.9x FSDP2's optimizer step on bench20m."""
+    import torch.optim.optimizer as optimizer
+    import torch.utils._foreach_utils as foreach_utils
+
+    for types in (optimizer._foreach_supported_types, foreach_utils._foreach_supported_types):
+        if RaggedDTensor not in types:
+            types.append(RaggedDTensor)
+
+
+_register_foreach_support()
+
+
 def is_ragged_dtensor(t) -> bool:
     return isinstance(t, RaggedDTensor)

@@ -124,10 +124,49 @@ def _first_ragged(obj):
     return next((t for t in flat if isinstance(t, RaggedDTensor)), None)
 
 
+#: per op: "flat" (element-wise, no tensor lists: the fast path), "other" (everything else, below)
+_KIND: dict = {}
+
+
+def _flat_elementwise(func, args, kwargs):
+    """The common case, fast: an element-wise op whose operands are tensors of one param's layout, 0-d tensors
+    and numbers (torch's per-param optimizer loop makes ~10 of these per param and step). None: not this case."""
+    from ragged_optim.sharding.ragged_dtensor import RaggedDTensor
+
+    ref, local_args = None, []
+    for a in args:
+        if type(a) is RaggedDTensor:
+            if ref is None:
+                ref = a
+            elif a._ragged_ranges is not ref._ragged_ranges and (
+                a._ragged_ranges != ref._ragged_ranges or a.shape != ref.shape
+            ):
+                return None
+            local_args.append(a._local_tensor)
+        elif isinstance(a, torch.Tensor) and a.dim() > 0 or isinstance(a, list | tuple):
+            return None
+        else:
+            local_args.append(a)
+    if ref is None or any(isinstance(v, torch.Tensor) and v.dim() > 0 for v in kwargs.values()):
+        return None
+    out = func(*local_args, **kwargs)
+    if _KIND[func][1]:  # mutates its first operand
+        return args[0]
+    return ref._rewrap(out) if isinstance(out, torch.Tensor) and out.shape == ref._local_tensor.shape else None
+
+
 def dispatch(func, args, kwargs):
     """``func(*args, **kwargs)`` with at least one RaggedDTensor among the operands."""
     from ragged_optim.sharding.ragged_dtensor import RaggedDTensor
 
+    kind = _KIND.get(func)
+    if kind is None:
+        flat = is_elementwise(func) and not func._schema.name.startswith("aten::_foreach_") and func not in _NORMS
+        kind = _KIND[func] = (flat, _mutates_first(func))
+    if kind[0]:
+        out = _flat_elementwise(func, args, kwargs)
+        if out is not None:
+            return out
     if func in (aten.detach.default, aten.alias.default):
         return args[0]._rewrap(args[0]._local_tensor.detach())
     if func is aten.detach_.default:

@@ -141,6 +141,11 @@ class RootContext:
 
     def track_reduce(self, unit: FlatUnit) -> None:
         self.reduces_in_flight.append(unit)
+        if not unit.streams.enabled:
+            # No side streams (a CPU): gloo's worker copies the whole unit's grads and keeps the copy until its next
+            # work, so a reduce-scatter left in flight through the next unit's backward held a unit more than FSDP2
+            # (which waits at once here): land it now.
+            self.reduces_in_flight.popleft().finish_reduce_grads()
 
     def _final_callback(self) -> None:
         for s in self.states:  # units whose inputs needed no grad: their post-backward runs here, in a fixed order

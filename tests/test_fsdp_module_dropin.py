@@ -193,3 +193,23 @@ def test_bad_module_lists_are_named():
     assert "item 1 is a int" in errors[1]
     assert "appears twice" in errors[2]
     assert "item 1 (LayerNorm) is inside item 0 (Net)" in errors[3]
+
+
+def tensor_parallel_then_ours(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = nn.Sequential(nn.Linear(8, 8))
+    parallelize_module(model, mesh, {"0": ColwiseParallel()})
+    try:
+        ro.fully_shard(model)
+    except NotImplementedError as e:
+        return str(e)
+    return None
+
+
+def test_fully_shard_of_a_tensor_parallel_module_says_what_to_do():
+    """On main: a raw ``aten.copy_.default got mixed torch.Tensor and DTensor`` from inside the flat buffer's copy."""
+    msg = run_on_ranks(tensor_parallel_then_ours, 2)[0]
+    assert msg is not None and "'0.weight' is already a DTensor" in msg and "tensor parallel" in msg
