@@ -155,13 +155,18 @@ def dcp_load(model, opts, path):
     set_state_dict(model, opts, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
 
 
-def save(rank, world, path, kind, how):
+def trained(kind):
     model, opts = build(kind)
     for step in range(2):
         _set_grads(model, step, default_grad)
         for o in opts:
             o.step()
             o.zero_grad()
+    return model, opts
+
+
+def save(rank, world, path, kind, how):
+    model, opts = trained(kind)
     want = views(model, opts)
     if how == "ro":
         ro.save_checkpoint(path, model, opts)
@@ -211,16 +216,6 @@ def test_state_dicts_right_after_a_resharding_load(tmp_path, kind, how, w_save, 
     assert_bitwise(loaded, want, "right after the load")
     assert isinstance(reloaded, dict), reloaded
     assert_bitwise(reloaded, want, "after dcp.save of that and a reload")
-
-
-def trained(kind):
-    model, opts = build(kind)
-    for step in range(2):
-        _set_grads(model, step, default_grad)
-        for o in opts:
-            o.step()
-            o.zero_grad()
-    return model, opts
 
 
 def step_all(model, opts, step):
