@@ -58,8 +58,16 @@ _NORMS = {aten.linalg_vector_norm.default, aten.norm.Scalar, aten.norm.ScalarOpt
 _FOREACH_NORMS = {aten._foreach_norm.Scalar}
 
 
+#: torch's fused optimizer kernels (``fused=True``): element-wise per tensor of their lists, like foreach ops
+_FUSED_OPTIMIZERS = {
+    getattr(getattr(aten, name), overload)
+    for name in ("_fused_adamw_", "_fused_adam_", "_fused_sgd_", "_fused_adagrad_")
+    for overload in ("default", "tensor_lr")
+}
+
+
 def is_elementwise(func) -> bool:
-    if func in _ELEMENTWISE_FILLS or func in _LIKE:
+    if func in _ELEMENTWISE_FILLS or func in _LIKE or func in _FUSED_OPTIMIZERS:
         return True
     name = func._schema.name
     if name.startswith("aten::_foreach_"):
@@ -143,8 +151,8 @@ def _flat_elementwise(func, args, kwargs):
             ):
                 return None
             local_args.append(a._local_tensor)
-        elif isinstance(a, torch.Tensor) and a.dim() > 0 or isinstance(a, list | tuple):
-            return None
+        elif isinstance(a, DTensor) or isinstance(a, torch.Tensor) and a.dim() > 0 or isinstance(a, list | tuple):
+            return None  # (a torch DTensor, a full tensor, a list: the general path)
         else:
             local_args.append(a)
     if ref is None or any(isinstance(v, torch.Tensor) and v.dim() > 0 for v in kwargs.values()):
@@ -162,6 +170,7 @@ def dispatch(func, args, kwargs):
     kind = _KIND.get(func)
     if kind is None:
         flat = is_elementwise(func) and not func._schema.name.startswith("aten::_foreach_") and func not in _NORMS
+        flat = flat and func not in _FUSED_OPTIMIZERS
         kind = _KIND[func] = (flat, _mutates_first(func))
     if kind[0]:
         out = _flat_elementwise(func, args, kwargs)

@@ -85,6 +85,8 @@ def like_fsdp2(rank, world):
         norm = torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
         res["clip_norm"] = norm.full_tensor().item() if isinstance(norm, DTensor) else norm.item()
         res["clipped"] = {n: p.grad.full_tensor() for n, p in m.named_parameters()}
+        # a grad over its own (global) norm: a ragged DTensor with a partial-norm DTensor
+        res["unit_grads"] = {n: (p.grad / p.grad.norm()).full_tensor() for n, p in m.named_parameters()}
         # in-place init with full-shape semantics
         m = build(kind)
         with torch.no_grad():
@@ -156,6 +158,8 @@ def test_params_behave_as_fsdp2_dtensors(world):
     assert abs(ours["clip_norm"] - theirs["clip_norm"]) <= allowed(gap, theirs["clip_norm"])
     for n, want in theirs["clipped"].items():
         assert torch.allclose(ours["clipped"][n], want, rtol=allowed(gap / theirs["clip_norm"], 1.0), atol=0), n
+    for n, want in theirs["unit_grads"].items():
+        assert torch.allclose(ours["unit_grads"][n], want, rtol=allowed(gap / theirs["clip_norm"], 1.0), atol=0), n
     for n, want in theirs["inited"].items():
         if n == "blocks.1.0.weight":
             assert 0.01 < ours["inited"][n].std().item() < 0.03

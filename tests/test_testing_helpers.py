@@ -17,7 +17,8 @@ def make_model():
 
 
 class LocalNormSGD(torch.optim.Optimizer):
-    """Normalises each grad by its norm: correct on one process, wrong on shards (it sees only local norms)."""
+    """Normalises each grad by the norm of this rank's piece: correct on one process, wrong on shards (the norm of
+    the DTensor grad itself would be the global one)."""
 
     def __init__(self, params, lr=0.1):
         super().__init__(params, dict(lr=lr))
@@ -26,8 +27,9 @@ class LocalNormSGD(torch.optim.Optimizer):
     def step(self):
         for g in self.param_groups:
             for p in g["params"]:
-                if p.grad is not None and p.grad.numel():
-                    p.add_(p.grad / p.grad.norm(), alpha=-g["lr"])
+                grad = ro.local(p.grad)
+                if grad is not None and grad.numel():
+                    ro.local(p).add_(grad / grad.norm(), alpha=-g["lr"])
 
 
 @settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
