@@ -2,8 +2,8 @@
 
 A RaggedDTensor holds a ragged piece of the flattened tensor on each rank, so an op is local exactly when it is
 element-wise: it runs on the local pieces and the result keeps the ranges. That covers what code written for
-FSDP2's DTensor params does to params, grads and optimizer state: torch's optimizers (foreach or not, every
-``_foreach_*`` op, ``zeros_like`` state), in-place init (``nn.init.*_``: ``normal_``, ``uniform_``, ``fill_``,
+FSDP2's DTensor params does to params, grads and optimizer state: torch's optimizers (foreach, fused or the
+per-param loop: every ``_foreach_*`` op, the ``_fused_*`` kernels, ``zeros_like`` state), in-place init (``nn.init.*_``: ``normal_``, ``uniform_``, ``fill_``,
 ``zero_``, and the element-wise ops around them), ``p.copy_(full)`` (each rank takes its range of a full-shape
 tensor, as a DTensor ``copy_`` from a replicated source does), ``p.mul_``. Norms (``linalg_vector_norm``,
 ``_foreach_norm``: what ``clip_grad_norm_`` calls) return a torch DTensor with a partial-norm placement on the same
