@@ -54,9 +54,13 @@ class OwnerExchange:
                 return lo, hi
         return None
 
-    def _move(self, parts: list[torch.Tensor], send_lists, recv_lists, wire, dtype, device) -> list[torch.Tensor]:
+    def _move(
+        self, parts: list[torch.Tensor], send_lists, recv_lists, wire, dtype, device, cast: bool = True
+    ) -> list[torch.Tensor]:
         """One all_to_all: ``parts`` go out in ``send_lists`` order; returns the pieces received, in
-        ``recv_lists`` order, as ``dtype``. ``wire``: a dtype, or ``"int8"`` / ``"fp8_e4m3"`` (block-quantized)."""
+        ``recv_lists`` order, as ``dtype`` (``cast=False``: in the wire dtype, views of the receive buffer, for a
+        caller that copies them into ``dtype`` buffers anyway: no converted copy of the whole buffer).
+        ``wire``: a dtype, or ``"int8"`` / ``"fp8_e4m3"`` (block-quantized)."""
         sizes = lambda lists, f: [sum(f(hi - lo) for _, lo, hi in lst) for lst in lists]
         if isinstance(wire, str):
             nbytes = lambda n: packed_nbytes(n, WIRE_BLOCK)
@@ -73,11 +77,16 @@ class OwnerExchange:
                     pieces.append(unpack(recv[pos : pos + nbytes(n)], n, WIRE_BLOCK, wire, out))
                     pos += nbytes(n)
             return pieces
-        send = torch.cat(parts).to(wire) if parts else torch.empty(0, dtype=wire, device=device)
+        send = torch.empty(sum(p.numel() for p in parts), dtype=wire, device=device)
+        pos = 0
+        for p in parts:  # cast while copying in: one buffer, not a concatenation and its cast copy
+            send[pos : pos + p.numel()].copy_(p.reshape(-1))
+            pos += p.numel()
         recv_sizes = sizes(recv_lists, lambda n: n)
         recv = torch.empty(sum(recv_sizes), dtype=wire, device=device)
         all_to_all_flat(recv, send, recv_sizes, sizes(send_lists, lambda n: n), group=self.group)
-        return list(torch.split(recv.to(dtype), [hi - lo for lst in recv_lists for _, lo, hi in lst]))
+        del send
+        return list(torch.split(recv.to(dtype) if cast else recv, [hi - lo for lst in recv_lists for _, lo, hi in lst]))
 
     def gather(self, local: list[torch.Tensor | None], wire=None, dtype=None, device=None) -> dict:
         """``local[i]``: this rank's piece of route i (1-D, its pieces' length; None if it holds none).
@@ -92,8 +101,8 @@ class OwnerExchange:
         full = {ri: torch.empty(self.routes[ri].numel, dtype=dtype, device=device) for ri in self.owned}
         if self.needs_wire:
             parts = [local[ri] for s in self.send for ri, _, _ in s]  # a rank holds one piece of a block
-            pieces = iter(self._move(parts, self.send, self.recv, wire or dtype, dtype, device))
-            for lst in self.recv:
+            pieces = iter(self._move(parts, self.send, self.recv, wire or dtype, dtype, device, cast=False))
+            for lst in self.recv:  # (each piece cast as it is copied into its block)
                 for ri, lo, hi in lst:
                     full[ri][lo:hi] = next(pieces)
         for ri in self.owned:
