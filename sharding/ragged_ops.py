@@ -3,13 +3,14 @@
 A RaggedDTensor holds a ragged piece of the flattened tensor on each rank, so an op is local exactly when it is
 element-wise: it runs on the local pieces and the result keeps the ranges. That covers what code written for
 FSDP2's DTensor params does to params, grads and optimizer state: torch's optimizers (foreach, fused or the
-per-param loop: every ``_foreach_*`` op, the ``_fused_*`` kernels, ``zeros_like`` state), in-place init (``nn.init.*_``: ``normal_``, ``uniform_``, ``fill_``,
-``zero_``, and the element-wise ops around them), ``p.copy_(full)`` (each rank takes its range of a full-shape
-tensor, as a DTensor ``copy_`` from a replicated source does), ``p.mul_``. Norms (``linalg_vector_norm``,
-``_foreach_norm``: what ``clip_grad_norm_`` calls) return a torch DTensor with a partial-norm placement on the same
-mesh: torch's own op rules then stack and combine them and reduce across ranks where a value is needed, exactly as
-for FSDP2's grads. Anything else (matmul, views, indexing, reductions over a dim) would need the whole tensor and is
-refused with a message naming the op and ``full_tensor()``.
+per-param loop: every ``_foreach_*`` op, the ``_fused_*`` kernels, ``zeros_like`` state), in-place init
+(``nn.init.*_``: ``normal_``, ``uniform_``, ``fill_``, ``zero_``, and the element-wise ops around them),
+``p.copy_(full)`` (each rank takes its range of a full-shape tensor, as a DTensor ``copy_`` from a replicated
+source does), ``p.mul_``. Norms (``linalg_vector_norm``, ``_foreach_norm``: what ``clip_grad_norm_`` calls) return
+a torch DTensor with a partial-norm placement on the same mesh: torch's own op rules then stack and combine them
+and reduce across ranks where a value is needed, exactly as for FSDP2's grads. Anything else (matmul, views,
+indexing, reductions over a dim) would need the whole tensor and is refused with a message naming the op and
+``full_tensor()``.
 
 Operands: RaggedDTensors of the same ranges (the same param's layout: a param, its grad, its state), Python
 scalars, 0-d tensors, torch DTensors of one element (a clip coefficient: replicated, or reduced first), and a plain
@@ -132,7 +133,7 @@ def _first_ragged(obj):
     return next((t for t in flat if isinstance(t, RaggedDTensor)), None)
 
 
-#: per op: "flat" (element-wise, no tensor lists: the fast path), "other" (everything else, below)
+#: per op, computed once: (element-wise without tensor lists, i.e. the fast path applies; mutates its first operand)
 _KIND: dict = {}
 
 
