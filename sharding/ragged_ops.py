@@ -257,15 +257,11 @@ def _unscale(func, args, kwargs):
     from ragged_optim.comm.collectives import all_reduce_flat
 
     grads, found_inf, inv_scale = args
-    func([local_of_any(g) for g in grads], found_inf, inv_scale, **kwargs)
+    func([g._local_tensor if isinstance(g, DTensor) else g for g in grads], found_inf, inv_scale, **kwargs)
     meshes = {id(g.device_mesh): g.device_mesh for g in grads if isinstance(g, DTensor)}
     for mesh in meshes.values():
         all_reduce_flat(found_inf, group=mesh.get_group(), op=torch.distributed.ReduceOp.MAX)
     return None
-
-
-def local_of_any(t):
-    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def _all_ranks_agree(func, args, kwargs) -> bool:
