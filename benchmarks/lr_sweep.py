@@ -1,10 +1,13 @@
 """A learning-rate sweep of `ragged-optim train` per optimizer (issue 35, item 2): each (optimizer, lr, seed) is one
 run of the train job at its default preset, and the final validation loss is what is compared.
 
-    .venv/bin/python benchmarks/lr_sweep.py --steps 200 --world-size 2 --seeds 0 --out benchmarks/results/lr_sweep.json
+    .venv/bin/python benchmarks/lr_sweep.py --out benchmarks/results/lr_sweep_200steps.json
 
-About 85 s per 200-step run at 2 ranks on this 2-core machine (idle). Prints one JSON object: the runs and, per
-optimizer, the lr with the lowest mean validation loss over the seeds.
+With --out naming an existing results file, its runs are kept and only the missing (optimizer, lr, seed) runs are
+made; each run records the commit it ran at and the 1-minute load average when it started (times on a loaded
+machine are longer; the losses do not depend on the load). About 60 to 120 s per 200-step run at 2 ranks on a
+2-core machine. Prints one JSON object: the runs and, per optimizer, the lr with the lowest mean validation loss
+over the seeds (the train job's default lrs are these: tests/test_lr_defaults.py).
 """
 
 from __future__ import annotations
@@ -18,11 +21,20 @@ import sys
 import tempfile
 import time
 
+# Each grid has the best mean lr inside it, not at an edge (checked by tests/test_lr_defaults.py).
 LRS = {
-    "adamw": [1e-3, 4e-3, 1e-2, 3e-2],
-    "soap": [3e-3, 1e-2, 3e-2, 1e-1],
+    "adamw": [1e-4, 3e-4, 1e-3, 4e-3, 1e-2, 3e-2],
+    "adamw8bit": [3e-4, 1e-3, 3e-3, 1e-2],
+    "muon": [1e-2, 2e-2, 5e-2, 1e-1],
     "shampoo": [1e-3, 3e-3, 1e-2, 3e-2],
+    "soap": [3e-3, 1e-2, 3e-2, 1e-1],
 }
+
+
+def _commit() -> str:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
+    return rev.stdout.strip() or "unknown"
 
 
 def run_one(optimizer: str, lr: float, seed: int, steps: int, world_size: int) -> dict:
@@ -30,13 +42,28 @@ def run_one(optimizer: str, lr: float, seed: int, steps: int, world_size: int) -
     cmd = [os.path.join(os.path.dirname(sys.executable), "ragged-optim"), "train", "--optimizer", optimizer,
            "--lr", str(lr), "--seed", str(seed), "--steps", str(steps), "--world-size", str(world_size),
            "--out", out, "--no-progress"]  # fmt: skip
+    load = round(os.getloadavg()[0], 2)
     start = time.time()
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     with open(os.path.join(out, "summary.json")) as f:
         summary = json.load(f)
     seconds = round(time.time() - start, 1)
     return {"optimizer": optimizer, "lr": lr, "seed": seed, "steps": steps, "val_loss": summary["val_loss"],
-            "final_train_loss_avg10": summary["final_train_loss_avg10"], "seconds": seconds}  # fmt: skip
+            "final_train_loss_avg10": summary["final_train_loss_avg10"], "seconds": seconds,
+            "load_avg_1m_at_start": load, "commit": _commit()}  # fmt: skip
+
+
+def summarize(runs: list[dict]) -> dict:
+    """Per optimizer: mean and range of the validation loss over the seeds at each lr, and the best mean's lr."""
+    best = {}
+    for opt in sorted({r["optimizer"] for r in runs}):
+        by_lr = {}
+        for lr in sorted({r["lr"] for r in runs if r["optimizer"] == opt}):
+            losses = [r["val_loss"] for r in runs if r["optimizer"] == opt and r["lr"] == lr]
+            by_lr[lr] = {"mean": statistics.mean(losses), "min": min(losses), "max": max(losses), "n": len(losses)}
+        lr = min(by_lr, key=lambda k: by_lr[k]["mean"])
+        best[opt] = {"lr": lr, "mean_val_loss": by_lr[lr]["mean"], "by_lr": {str(k): v for k, v in by_lr.items()}}
+    return best
 
 
 def main() -> None:
@@ -45,27 +72,41 @@ def main() -> None:
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--seeds", default="0,1")
     p.add_argument("--optimizers", default=",".join(LRS))
-    p.add_argument("--out", default=None)
+    p.add_argument("--out", default=None, help="results file; its runs are kept and only missing ones are made")
     args = p.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
-    runs = []
+    runs, header = [], {}
+    if args.out and os.path.exists(args.out):
+        with open(args.out) as f:
+            old = json.load(f)
+        if (old["steps"], old["world_size"]) != (args.steps, args.world_size):
+            sys.exit(f"{args.out} holds runs at steps {old['steps']}, world size {old['world_size']}: another --out")
+        runs, header = old["runs"], {k: old[k] for k in ("provenance",) if k in old}
+    have = {(r["optimizer"], r["lr"], r["seed"]) for r in runs}
     for opt in args.optimizers.split(","):
         for lr in LRS[opt]:
             for seed in seeds:
+                if (opt, lr, seed) in have:
+                    continue
                 runs.append(run_one(opt, lr, seed, args.steps, args.world_size))
-                print(json.dumps(runs[-1]), file=sys.stderr)
-    best = {}
-    for opt in args.optimizers.split(","):
-        means = {lr: statistics.mean(r["val_loss"] for r in runs if r["optimizer"] == opt and r["lr"] == lr)
-                 for lr in LRS[opt]}  # fmt: skip
-        lr = min(means, key=means.get)
-        best[opt] = {"lr": lr, "mean_val_loss": means[lr], "by_lr": means}
-    result = {"steps": args.steps, "world_size": args.world_size, "seeds": seeds, "runs": runs, "best": best}
-    text = json.dumps(result, indent=1)
+                print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
+                if args.out:  # after every run: an interrupted sweep keeps what it measured
+                    _write(args.out, header, args.steps, args.world_size, runs)
+    result = _result(header, args.steps, args.world_size, runs)
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    print(text)
+        _write(args.out, header, args.steps, args.world_size, runs)
+    print(json.dumps(result, indent=1))
+
+
+def _result(header: dict, steps: int, world_size: int, runs: list[dict]) -> dict:
+    seeds = sorted({r["seed"] for r in runs})
+    return {**header, "steps": steps, "world_size": world_size, "seeds": seeds, "runs": runs, "best": summarize(runs)}
+
+
+def _write(path: str, header: dict, steps: int, world_size: int, runs: list[dict]) -> None:
+    with open(path + ".tmp", "w") as f:
+        f.write(json.dumps(_result(header, steps, world_size, runs), indent=1) + "\n")
+    os.replace(path + ".tmp", path)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,9 @@ if TYPE_CHECKING:  # torch and the optimizers are imported when one is built: `r
 
 # The optimizer `ragged-optim train` uses when --optimizer is not given.
 DEFAULT_OPTIMIZER = "muon"
+# Muon's AdamW side (embeddings, head, 1-D params): fixed, so that --optimizer adamw's default lr can follow its own
+# sweep without moving Muon's (Muon's sweep ran with this).
+MUON_ADAMW_LR = 4e-3
 
 
 def _adamw(model: nn.Module, lr: float) -> torch.optim.Optimizer:
@@ -22,7 +25,7 @@ def _adamw(model: nn.Module, lr: float) -> torch.optim.Optimizer:
 
 
 def _muon(model: nn.Module, lr: float) -> torch.optim.Optimizer:
-    # Hidden matrices get Muon at ``lr``; embeddings, head and 1-D params get AdamW at AdamW's default lr.
+    # Hidden matrices get Muon at ``lr``; embeddings, head and 1-D params get AdamW at MUON_ADAMW_LR.
     # Newton-Schulz in bf16 on GPUs (torch.optim.Muon's choice); in fp32 on CPUs: without a bf16 GEMM, bf16 NS
     # runs as fp32 matmuls anyway (ns_matmul="auto"), so fp32 costs about the same and rounds less.
     import torch
@@ -31,7 +34,7 @@ def _muon(model: nn.Module, lr: float) -> torch.optim.Optimizer:
 
     groups = muon_param_groups(model)
     ns_dtype = torch.bfloat16 if next(model.parameters()).is_cuda else torch.float32
-    return Muon(groups, lr=lr, ns_dtype=ns_dtype, adamw_lr=OPTIMIZERS["adamw"].default_lr, adamw_betas=(0.9, 0.95))
+    return Muon(groups, lr=lr, ns_dtype=ns_dtype, adamw_lr=MUON_ADAMW_LR, adamw_betas=(0.9, 0.95))
 
 
 def _shampoo(model: nn.Module, lr: float) -> torch.optim.Optimizer:
