@@ -15,6 +15,7 @@ import weakref
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ragged_optim.comm.collectives import (
     all_gather_flat,
@@ -30,6 +31,7 @@ from ragged_optim.sharding.planner import TensorSpec, plan_unit
 from ragged_optim.sharding.ragged_dtensor import RaggedDTensor, build_ragged, normalize_ranges
 from ragged_optim.sharding.sharded_param import _INFO_ATTR, ShardInfo, local_of
 from ragged_optim.sharding.streams import NO_STREAMS
+from ragged_optim.sharding.tensor_parallel import TensorParallelPart
 
 ALIGNMENT_BYTES = 16
 
@@ -51,6 +53,7 @@ class FlatUnit:
         comm_policy=None,
         replicate_group=None,
         device: torch.device | None = None,
+        tp_parts: list[TensorParallelPart | None] | None = None,
     ):
         self.module = module
         self.modules = [module]  # fully_shard([m1, m2]): every module of the list (module is the first)
@@ -71,6 +74,9 @@ class FlatUnit:
         self.cast_inputs_to = mp_policy.param_dtype if cast else None
         self.output_dtype = mp_policy.output_dtype if mp_policy is not None else None
         self.requires_grad = [p.requires_grad for p in params]
+        # per param: its tensor-parallel layout (None: a plain param); the unit lays out the TP-local tensors
+        self.tp_parts = list(tp_parts) if tp_parts is not None else [None] * len(params)
+        params = [p if tp is None else p.to_local() for p, tp in zip(params, self.tp_parts)]
         self.specs = [default_block_spec(p) for p in params]
         self.allow_split = True
         self.layout_locked = False  # set once an optimizer keeps state shaped by this layout
@@ -148,7 +154,9 @@ class FlatUnit:
         """``view`` (this rank's elements of tensor i, a view into an S-element buffer) as the full-shape DTensor
         users see: a sharded param's data, its grad. No copy: the DTensor's local tensor is ``view``."""
         # (not detached: the view keeps its buffer object alive, which the unit holds only weakly for the grads)
-        return build_ragged(view, self.layout.shapes[i], self._ranges(i), self.rank, self.group)
+        tp = self.tp_parts[i]
+        shape = self.layout.shapes[i] if tp is None else tp.shape
+        return build_ragged(view, shape, self._ranges(i), self.rank, self.group, tp=tp)
 
     def _repoint(self, sp: nn.Parameter, i: int) -> None:
         """Make the sharded param ``sp`` (tensor i) hold its slice of the current local shard and layout (the same
@@ -174,12 +182,17 @@ class FlatUnit:
             with torch.inference_mode(False):
                 self.unsharded = torch.empty(self.layout.total_size, dtype=self.param_dtype, device=self.device)
                 self.unsharded_params = [
-                    nn.Parameter(self._full_slice(self.unsharded, i), requires_grad=rg)
+                    nn.Parameter(self._as_unsharded(self._full_slice(self.unsharded, i), i), requires_grad=rg)
                     for i, rg in enumerate(self.requires_grad)
                 ]
             self._storage_nbytes = self.unsharded.untyped_storage().nbytes()
         elif self.unsharded.untyped_storage().size() == 0:
             self.unsharded.untyped_storage().resize_(self._storage_nbytes)
+
+    def _as_unsharded(self, full: torch.Tensor, i: int) -> torch.Tensor:
+        """Tensor i's unsharded value as its module sees it: ``full`` itself, or TP's DTensor over it (no copy)."""
+        tp = self.tp_parts[i]
+        return full if tp is None else tp.unsharded(full)
 
     def relayout(self, specs: dict[int, BlockSpec], *, allow_split: bool | None = None, compute_load=None) -> bool:
         """Re-plan with new block specs for some params and move the data to match; param objects are kept.
@@ -505,7 +518,7 @@ class FlatUnit:
         if self.grad_buf is not None:
             for i, up in enumerate(self.unsharded_params):
                 if up.requires_grad and up.grad is None:
-                    up.grad = self._full_slice(self.grad_buf, i)
+                    up.grad = self._as_unsharded(self._full_slice(self.grad_buf, i), i)
         self.accumulating.update(i for i, rg in enumerate(self.requires_grad) if rg)
 
     @property
@@ -532,6 +545,11 @@ class FlatUnit:
             g = up.grad
             if g is None:
                 continue
+            if isinstance(g, DTensor):  # tensor parallel: TP's grad, partial over TP ranks where its rules say so
+                tp = self.tp_parts[i]
+                if tuple(g.placements) != tp.tp_placements:
+                    g = g.redistribute(tp.tp_mesh, tp.tp_placements)
+                g = g.to_local()
             view = self._full_slice(self.grad_buf, i)
             if g.data_ptr() != view.data_ptr():  # (a grad autograd made, not the accumulator it added into)
                 view.add_(g)
@@ -672,7 +690,9 @@ class FlatUnit:
         self._shard_view(buf, i).copy_(local.reshape(-1))
         out = torch.empty(self.layout.total_size, dtype=local.dtype, device=self.device)
         all_gather_flat(out, buf, group=self.group)
-        return self._full_slice(out, i).clone()
+        full = self._full_slice(out, i)
+        tp = self.tp_parts[i]
+        return full.clone() if tp is None else tp.full(full)
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -26,6 +26,7 @@ from ragged_optim.sharding.replaced_params import REPLACED_IN_ATTR as _REPLACED_
 from ragged_optim.sharding.runtime import ModuleState, cast_floating
 from ragged_optim.sharding.sharded_param import shard_info
 from ragged_optim.sharding.state_dict import loading_strict, register_state_dict_hooks
+from ragged_optim.sharding.tensor_parallel import tensor_parallel_part
 
 _STATE_ATTR = "_ragged_state"
 
@@ -437,13 +438,10 @@ def _check_no_split_ties(module: nn.Module) -> None:
 
 def _check_params(module: nn.Module, params, names):
     for p, n in zip(params, names):
-        if hasattr(p, "placements") and hasattr(p, "device_mesh"):  # tensor parallel's DTensors, or FSDP2's
-            raise NotImplementedError(
-                f"fully_shard: param {n!r} is already a DTensor (placements {tuple(p.placements)} on "
-                f"{p.device_mesh}), e.g. from torch's parallelize_module (tensor parallel) or torch's fully_shard: "
-                "ragged_optim.fully_shard shards plain params over one mesh dim and does not compose with tensor "
-                "parallel yet. Shard this model with torch's fully_shard (our optimizers take its params), or "
-                "apply ragged_optim.fully_shard to a model without tensor parallel"
+        if _is_torch_fsdp_param(module, n):
+            raise ValueError(
+                f"fully_shard: param {n!r} is already sharded by torch's fully_shard (FSDP2): a module takes one of "
+                "the two. Build the model again and call ragged_optim.fully_shard where torch's was"
             )
         if not p.is_floating_point():
             raise TypeError(f"fully_shard: param {n!r} has dtype {p.dtype}; only floating-point params can be sharded")
@@ -460,6 +458,24 @@ def _check_params(module: nn.Module, params, names):
                     f"fully_shard: params of one unit must share a dtype; {names[0]!r} is {t0} but {n!r} is "
                     f"{p.dtype}. Cast the module, or shard the odd param's module separately"
                 )
+
+
+def _is_torch_fsdp_param(module: nn.Module, name: str) -> bool:
+    """Whether the module that holds param ``name`` is torch's FSDPModule (and not one of our units)."""
+    owner = module.get_submodule(name.rpartition(".")[0]) if "." in name else module
+    return any(isinstance(m, FSDPModule) and state_of(m) is None for m in (module, owner))
+
+
+def _tensor_parallel_parts(params, names, mesh) -> list:
+    """Per param: its tensor-parallel layout (a DTensor from parallelize_module), or None for a plain param."""
+    from torch.distributed.tensor import DTensor
+
+    if not any(isinstance(p, DTensor) for p in params):
+        return [None] * len(params)
+    shard_mesh = mesh
+    if isinstance(mesh, DeviceMesh) and mesh.ndim == 2 and mesh.mesh_dim_names:  # HSDP: the shard dim
+        shard_mesh = mesh[mesh.mesh_dim_names[1]]
+    return [tensor_parallel_part(p, n, shard_mesh) if isinstance(p, DTensor) else None for p, n in zip(params, names)]
 
 
 def fully_shard(
@@ -518,6 +534,7 @@ def fully_shard(
     module = modules[0]
     _check_params(module, params, names)  # before the mesh: param errors need no process group
     group, replicate_group = _resolve_groups(mesh)
+    tp_parts = _tensor_parallel_parts(params, names, mesh)
     device = _target_device(mesh, params, group)
     # the buffers go where a mesh says, or where the params move (never to meta because the params are there)
     for m in modules:
@@ -540,6 +557,7 @@ def fully_shard(
             comm_policy,
             replicate_group,
             device=device,
+            tp_parts=[tp_parts[i] for i in idx],
         )
         for idx in split
     ]

@@ -109,8 +109,9 @@ class RaggedDTensor(DTensor):
     1-D view of the flat shard; several ranges, concatenated, when a rank holds pieces, as AdamW8bit's state of an
     FSDP2 param does). Build it with :func:`ragged_dtensor`."""
 
-    _ragged_ranges: tuple[Pieces, ...]
+    _ragged_ranges: tuple[Pieces, ...]  # over the flattening of the TP-local tensor when ``_ragged_tp`` is set
     _ragged_rank: int
+    _ragged_tp = None  # a TensorParallelPart: the TP layout the ragged shard sits inside (tensor_parallel.py)
 
     def data_ptr(self) -> int:
         """0, as for any DTensor wrapper built over a local tensor at offset 0: the wrapper holds no storage. (Ours
@@ -122,16 +123,25 @@ class RaggedDTensor(DTensor):
     def _ragged_group(self):
         """The process group, from the mesh: not an attribute of its own, which copies (DCP's async stager deep-copies
         the tensor's ``__dict__``) could not take (``cannot pickle ProcessGroup``)."""
-        return self.device_mesh.get_group()
+        tp = self._ragged_tp
+        return self.device_mesh.get_group() if tp is None else self.device_mesh.get_group(tp.ragged_dim)
+
+    @property
+    def _ragged_shape(self) -> torch.Size:
+        """The shape the ranges cut: the tensor's own, or its TP-local block's under tensor parallel."""
+        return self.shape if self._ragged_tp is None else self._ragged_tp.local_shape
 
     # ----- DCP's chunk protocol ---------------------------------------------------------------------------
     def _boxes(self) -> list[Box]:
         """This rank's boxes, with ``[start, end)`` their elements in the local data."""
-        if math.prod(self.shape) == 0:  # no elements: rank 0 still records the (empty) tensor, shape and all
-            return [((0,) * len(self.shape), tuple(self.shape), 0, 0)] if self._ragged_rank == 0 else []
+        shape, tp = self._ragged_shape, self._ragged_tp
+        shift = (0,) * len(shape) if tp is None else tp.offsets  # a TP-local block's place in the global tensor
+        if math.prod(shape) == 0:  # no elements: rank 0 still records the (empty) tensor, shape and all
+            return [(tuple(shift), tuple(shape), 0, 0)] if self._ragged_rank == 0 else []
         out, pos = [], 0
         for lo, hi in self._ragged_ranges[self._ragged_rank]:
-            out += [(off, size, pos + s - lo, pos + e - lo) for off, size, s, e in flat_range_boxes(self.shape, lo, hi)]
+            for off, size, s, e in flat_range_boxes(shape, lo, hi):
+                out.append((tuple(o + d for o, d in zip(off, shift)), size, pos + s - lo, pos + e - lo))
             pos += hi - lo
         return out
 
@@ -167,24 +177,31 @@ class RaggedDTensor(DTensor):
 
     # ----- the full value ---------------------------------------------------------------------------------
     def full_tensor(self, *, grad_placements=None) -> torch.Tensor:
-        """The full tensor on every rank (a collective on the shard group: one all-gather)."""
-        group = self._ragged_group
+        """The full tensor on every rank (a collective on the shard group: one all-gather; under tensor parallel,
+        then TP's own gather over the TP dims)."""
+        tp = self._ragged_tp
+        shard = self._gather_ragged()
+        return shard if tp is None else tp.full(shard)
+
+    def _gather_ragged(self) -> torch.Tensor:
+        """The tensor the ranges cut (the whole one, or the TP-local block), from every rank of the shard group."""
+        group, shape = self._ragged_group, self._ragged_shape
         world = len(self._ragged_ranges)
         local = self._local_tensor.reshape(-1)
         width = max((sum(hi - lo for lo, hi in pieces) for pieces in self._ragged_ranges), default=0)
-        if world == 1 and local.numel() == math.prod(self.shape):
-            return local.clone().view(self.shape)
+        if world == 1 and local.numel() == math.prod(shape):
+            return local.clone().view(shape)
         buf = torch.zeros(width, dtype=local.dtype, device=local.device)
         buf[: local.numel()] = local
         out = torch.empty(world * width, dtype=local.dtype, device=local.device)
         all_gather_flat(out, buf, group=group)
-        full = torch.empty(math.prod(self.shape), dtype=local.dtype, device=local.device)
+        full = torch.empty(math.prod(shape), dtype=local.dtype, device=local.device)
         for r, pieces in enumerate(self._ragged_ranges):
             pos = r * width
             for lo, hi in pieces:
                 full[lo:hi] = out[pos : pos + hi - lo]
                 pos += hi - lo
-        return full.view(self.shape)
+        return full.view(shape)
 
     def redistribute(self, device_mesh=None, placements=None, *, async_op=False, **_kw):
         """To ``[Replicate()]`` (what ``get_*_state_dict(full_state_dict=True)`` asks for) or to FSDP2's
@@ -192,15 +209,15 @@ class RaggedDTensor(DTensor):
         from torch.distributed.tensor import Shard
 
         mesh = device_mesh if device_mesh is not None else self.device_mesh
-        ok = placements is not None and len(placements) == 1 and mesh == self.device_mesh
-        if not (ok and (type(placements[0]) is Replicate or placements[0] == Shard(0))):
+        ok = placements is not None and len(placements) == mesh.ndim and mesh == self.device_mesh
+        if ok and all(type(pl) is Replicate for pl in placements):
+            return DTensor.from_local(self.full_tensor(), mesh, list(placements), run_check=False)
+        if not (ok and mesh.ndim == 1 and placements[0] == Shard(0)):
             raise NotImplementedError(
                 f"a ragged-sharded tensor redistributes to [Replicate()] or [Shard(0)] on its own mesh, not "
                 f"{placements}; call .full_tensor() and distribute the full value"
             )
         full = self.full_tensor()
-        if type(placements[0]) is Replicate:
-            return DTensor.from_local(full, mesh, [Replicate()], run_check=False)
         world, rank = mesh.size(), mesh.get_local_rank()
         rows = list(torch.chunk(full, world, dim=0)) if full.dim() else [full]
         mine = rows[rank] if rank < len(rows) else full[:0]
@@ -236,6 +253,8 @@ class RaggedDTensor(DTensor):
 
     def local_part_of(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's elements of ``full`` (a tensor of this one's full shape), in the order of the local data."""
+        if self._ragged_tp is not None:
+            full = self._ragged_tp.local_block(full)
         flat = full.reshape(-1)
         pieces = [flat[lo:hi] for lo, hi in self.ragged_pieces]
         if not pieces:
@@ -250,13 +269,17 @@ class RaggedDTensor(DTensor):
         return dispatch(func, args, kwargs or {})
 
     def _rewrap(self, local: torch.Tensor) -> RaggedDTensor:
-        return build_ragged(local, self.shape, self._ragged_ranges, self._ragged_rank, self._ragged_group)
+        return build_ragged(
+            local, self.shape, self._ragged_ranges, self._ragged_rank, self._ragged_group, tp=self._ragged_tp
+        )
 
     def __repr__(self) -> str:
         held = " + ".join(f"[{lo}, {hi})" for lo, hi in self.ragged_pieces) or "none"
+        tp = self._ragged_tp
+        of = "" if tp is None else f" of the TP-local {tuple(tp.local_shape)} block at {tp.offsets}"
         return (
             f"RaggedDTensor(shape={tuple(self.shape)}, dtype={self.dtype}, elements {held} of "
-            f"{math.prod(self.shape)} on rank {self._ragged_rank} of {len(self._ragged_ranges)})"
+            f"{math.prod(self._ragged_shape)}{of} on rank {self._ragged_rank} of {len(self._ragged_ranges)})"
         )
 
     __str__ = __repr__
@@ -274,14 +297,22 @@ class RaggedDTensor(DTensor):
         )
 
 
-def build_ragged(local, shape, ranges, rank, group) -> RaggedDTensor:
-    """A RaggedDTensor over ``local`` itself (no detach: a view keeps its base alive); see ragged_dtensor."""
+def build_ragged(local, shape, ranges, rank, group, tp=None) -> RaggedDTensor:
+    """A RaggedDTensor over ``local`` itself (no detach: a view keeps its base alive); see ragged_dtensor. ``tp``: a
+    TensorParallelPart when ``ranges`` cut the TP-local block of a tensor-parallel param (the shard group is then
+    ``tp.mesh``'s data-parallel dim)."""
     shape = torch.Size(shape)
     stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
-    spec = DTensorSpec(mesh_of(group), (RaggedShard(),), tensor_meta=TensorMeta(shape, stride, local.dtype))
+    meta = TensorMeta(shape, stride, local.dtype)
+    if tp is None:
+        spec = DTensorSpec(mesh_of(group), (RaggedShard(),), tensor_meta=meta)
+    else:
+        spec = DTensorSpec(tp.mesh, tp.placements, tensor_meta=meta)
     out = RaggedDTensor(local, spec, requires_grad=False)
     out._ragged_ranges = normalize_ranges(ranges)
     out._ragged_rank = int(rank)
+    if tp is not None:
+        out._ragged_tp = tp
     return out
 
 

@@ -245,9 +245,12 @@ def _norm(func, args, kwargs):
 
 def _partial_norm(t, local: torch.Tensor, ord_: float) -> DTensor:
     """This rank's norm of its piece as a torch DTensor that reduces across the ranks to the norm of the whole."""
+    from torch.distributed.tensor import Replicate
     from torch.distributed.tensor._ops._math_ops import _NormPartial
 
-    return DTensor.from_local(local, t.device_mesh, [_NormPartial(norm_type=ord_)], run_check=False)
+    # (under tensor parallel: partial over the TP dims that shard the tensor too; replicated over the others)
+    placements = [Replicate() if type(pl) is Replicate else _NormPartial(norm_type=ord_) for pl in t.placements]
+    return DTensor.from_local(local, t.device_mesh, placements, run_check=False)
 
 
 def _unscale(func, args, kwargs):
@@ -260,7 +263,8 @@ def _unscale(func, args, kwargs):
     func([g._local_tensor if isinstance(g, DTensor) else g for g in grads], found_inf, inv_scale, **kwargs)
     meshes = {id(g.device_mesh): g.device_mesh for g in grads if isinstance(g, DTensor)}
     for mesh in meshes.values():
-        all_reduce_flat(found_inf, group=mesh.get_group(), op=torch.distributed.ReduceOp.MAX)
+        for dim in range(mesh.ndim):
+            all_reduce_flat(found_inf, group=mesh.get_group(dim), op=torch.distributed.ReduceOp.MAX)
     return None
 
 
@@ -273,5 +277,6 @@ def _all_ranks_agree(func, args, kwargs) -> bool:
     a, b = (_Local(func, [ref]).one(t, 0) for t in args[:2])
     same = a.shape == b.shape and bool(func(a, b, *args[2:], **kwargs))
     flag = torch.tensor([0.0 if same else 1.0], device=ref._local_tensor.device)
-    all_reduce_flat(flag, group=ref.device_mesh.get_group(), op=torch.distributed.ReduceOp.MAX)
+    for dim in range(ref.device_mesh.ndim):
+        all_reduce_flat(flag, group=ref.device_mesh.get_group(dim), op=torch.distributed.ReduceOp.MAX)
     return bool(flag.item() == 0.0)
