@@ -15,7 +15,7 @@ torchrun starts one process per rank and sets RANK, WORLD_SIZE, MASTER_ADDR and 
 - run every forward and backward, evaluation included: an eval on rank 0 alone waits forever for the others;
 - call every collective helper: ``ro.save_checkpoint``, ``ro.load_checkpoint``, ``ro.full_tensor``,
   ``ro.full_grad``, ``ro.get_full_state_dict``, ``ro.clip_grad_norm_``;
-- step the optimizer (Muon and Shampoo gather blocks that a rank boundary cuts to one owner rank).
+- step the optimizer (Muon, Shampoo and SOAP gather blocks that a rank boundary cuts to one owner rank).
 Only printing and writing files are for rank 0.
 """
 
@@ -73,7 +73,11 @@ def make_optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
     if name == "adamw8bit":
         # 8-bit moments in blocks of block_size elements; tensors under min_8bit_size keep fp32 moments
         return ro.AdamW8bit(model.parameters(), lr=3e-3, weight_decay=0.01, block_size=256, min_8bit_size=4096)
-    raise ValueError(f"--optimizer: unknown {name!r}; choose muon, shampoo or adamw8bit")
+    if name == "soap":
+        # Adam in the eigenbasis of Shampoo's factors, refreshed every precondition_frequency steps, per band of
+        # at most max_preconditioner_dim rows
+        return ro.SOAP(model.parameters(), lr=1e-2, betas=(0.95, 0.95), precondition_frequency=10)
+    raise ValueError(f"--optimizer: unknown {name!r}; choose muon, shampoo, soap or adamw8bit")
 
 
 def batch(step: int, rows: int, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,7 +112,7 @@ def weights_checksum(model: nn.Module) -> float:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--optimizer", choices=("muon", "shampoo", "adamw8bit"), default="muon")
+    ap.add_argument("--optimizer", choices=("muon", "shampoo", "soap", "adamw8bit"), default="muon")
     ap.add_argument("--steps", type=int, default=20, help="train until this step (default 20)")
     ap.add_argument("--batch-size", type=int, default=12, help="global rows per step, a multiple of the world size")
     ap.add_argument("--ckpt", default=None, help="checkpoint folder, written at the end (default: none)")

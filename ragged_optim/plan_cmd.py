@@ -4,7 +4,7 @@ Block specs from ``--optimizer`` and ``--granularity G``:
 
 - without ``--optimizer``: bands of G rows for matrices, runs of G elements for 1-D tensors;
 - ``adamw8bit``: runs of G elements of every tensor (8-bit Adam quantization blocks);
-- ``shampoo``: bands of G rows (B x B tiles live inside a band);
+- ``shampoo``, ``soap``: bands of G rows (Shampoo's B x B tiles and SOAP's eigenbases live inside a band);
 - ``muon``: hidden matrices (ndim >= 2, not an embedding, head or bias) are whole owner-computed matrices,
   everything else runs of G elements.
 
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 # The planner and the catalog are imported where a plan runs: the sharding package imports torch, and
 # `ragged-optim plan --help` needs none.
 
-OPTIMIZERS = ("muon", "shampoo", "adamw8bit")
+OPTIMIZERS = ("muon", "shampoo", "soap", "adamw8bit")
 
 
 def model_names() -> list[str]:

@@ -2,7 +2,7 @@
 
 Each torchrun launch costs ~10-20 s here (process start and imports), so the suite launches each example as few
 times as it can: the own-model example with Muon saves on 3 ranks and reloads on 2, with the README's two commands
-for it (through ``./dev torchrun``); Shampoo and AdamW8bit train and save once each on 2 ranks (their reload at
+for it (through ``./dev torchrun``); Shampoo, SOAP and AdamW8bit train and save once each on 2 ranks (their reload at
 other world sizes is in test_checkpoint.py)."""
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def test_own_model_with_muon_saves_on_3_ranks_and_reloads_on_2(tmp_path):
     assert re.search(r"step 40 on 2 ranks: weights checksum", second), second
 
 
-@pytest.mark.parametrize("optimizer", ["shampoo", "adamw8bit"])
+@pytest.mark.parametrize("optimizer", ["shampoo", "soap", "adamw8bit"])
 def test_own_model_with_each_optimizer(tmp_path, optimizer):
     out = torchrun(2, OWN_MODEL, "--optimizer", optimizer, "--steps", "5", "--ckpt", str(tmp_path / "ckpt"))
     evals = _floats(r"eval loss (\d+\.\d+)", out)

@@ -94,7 +94,7 @@ def test_muon_owner_compute_and_no_split(capsys):
     assert d["split_blocks"] == 0 and d["split_bytes_ratio"] == 0
 
 
-@pytest.mark.parametrize("opt", ["shampoo", "adamw8bit"])
+@pytest.mark.parametrize("opt", ["shampoo", "soap", "adamw8bit"])
 def test_other_optimizers(capsys, monkeypatch, opt):
     seen = set()
     real = plan_cmd.block_spec
@@ -105,8 +105,8 @@ def test_other_optimizers(capsys, monkeypatch, opt):
     base = _json(capsys, *argv)  # no --optimizer: G-row bands
     drop = {"plan_seconds"}
     n = 4096 * 4096
-    if opt == "shampoo":
-        # Shampoo asks for the same G-row bands as the default, so the plan is the same.
+    if opt in ("shampoo", "soap"):
+        # Shampoo and SOAP ask for the same G-row bands as the default, so the plan is the same.
         assert real("w", (4096, 4096), 256, opt) == BlockSpec(block=256 * 4096, period=n)
         assert {k: v for k, v in d.items() if k not in drop} == {k: v for k, v in base.items() if k not in drop}
     else:
@@ -206,7 +206,7 @@ def test_plan_model_is_the_cli_in_python(capsys):
         plan_cmd.plan_model("llama3-8b", 0)
     with pytest.raises(ValueError, match="granularity must be an int >= 1"):
         plan_cmd.plan_model("llama3-8b", 8, granularity=0)
-    with pytest.raises(ValueError, match="optimizer must be None or one of muon, shampoo, adamw8bit"):
+    with pytest.raises(ValueError, match="optimizer must be None or one of muon, shampoo, soap, adamw8bit"):
         plan_cmd.plan_model("llama3-8b", 8, optimizer="sgd")
     with pytest.raises(ValueError, match="model must be a catalog model name"):
         plan_cmd.plan_model(42, 8)
