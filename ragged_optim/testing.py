@@ -90,8 +90,7 @@ def set_full_grad(p: torch.Tensor, g: torch.Tensor) -> None:
     info = shard_info(p)
     g = g.to(p.dtype)
     if info is not None:
-        lo, hi = info.local_range
-        p.grad = info.unit.as_ragged(g.reshape(-1)[lo:hi].clone(), info.index)
+        p.grad = info.unit.as_ragged(p.local_part_of(g).clone(), info.index)
     elif hasattr(p, "device_mesh"):
         from torch.distributed.tensor import distribute_tensor
 

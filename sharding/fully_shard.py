@@ -21,6 +21,7 @@ from torch.distributed.fsdp import UnshardHandle as TorchUnshardHandle
 from ragged_optim.comm.collectives import serves_cuda
 from ragged_optim.sharding.comm_policy import CommPolicy
 from ragged_optim.sharding.flat_unit import FlatUnit
+from ragged_optim.sharding.ragged_dtensor import adopt_mesh
 from ragged_optim.sharding.replaced_params import REPLACED_ATTR, mark_replaced  # (REPLACED_ATTR: optim reads it)
 from ragged_optim.sharding.replaced_params import REPLACED_IN_ATTR as _REPLACED_IN_ATTR
 from ragged_optim.sharding.runtime import ModuleState, cast_floating
@@ -436,9 +437,10 @@ def _check_no_split_ties(module: nn.Module) -> None:
                 raise ValueError(_tie_message(module, here, ".".join(x for x in (paths[id(h)], owner) if x)))
 
 
-def _check_params(module: nn.Module, params, names):
+def _check_params(modules: list[nn.Module], params, names):
+    torch_fsdp = _torch_fsdp_params(modules) if any(hasattr(p, "placements") for p in params) else set()
     for p, n in zip(params, names):
-        if _is_torch_fsdp_param(module, n):
+        if id(p) in torch_fsdp:
             raise ValueError(
                 f"fully_shard: param {n!r} is already sharded by torch's fully_shard (FSDP2): a module takes one of "
                 "the two. Build the model again and call ragged_optim.fully_shard where torch's was"
@@ -460,10 +462,22 @@ def _check_params(module: nn.Module, params, names):
                 )
 
 
-def _is_torch_fsdp_param(module: nn.Module, name: str) -> bool:
-    """Whether the module that holds param ``name`` is torch's FSDPModule (and not one of our units)."""
-    owner = module.get_submodule(name.rpartition(".")[0]) if "." in name else module
-    return any(isinstance(m, FSDPModule) and state_of(m) is None for m in (module, owner))
+def _torch_fsdp_params(modules) -> set[int]:
+    """ids of the params that torch's fully_shard (FSDP2) sharded somewhere under ``modules``."""
+    return {
+        id(p)
+        for root in modules
+        for m in root.modules()
+        if isinstance(m, FSDPModule) and state_of(m) is None
+        for p in m.parameters()
+    }
+
+
+def _shard_mesh(mesh):
+    """The mesh of the shard dim: ``mesh`` itself, or its second dim for HSDP's (replicate, shard) when named."""
+    if isinstance(mesh, DeviceMesh) and mesh.ndim == 2 and mesh.mesh_dim_names:
+        return mesh[mesh.mesh_dim_names[1]]
+    return mesh
 
 
 def _tensor_parallel_parts(params, names, mesh) -> list:
@@ -472,9 +486,7 @@ def _tensor_parallel_parts(params, names, mesh) -> list:
 
     if not any(isinstance(p, DTensor) for p in params):
         return [None] * len(params)
-    shard_mesh = mesh
-    if isinstance(mesh, DeviceMesh) and mesh.ndim == 2 and mesh.mesh_dim_names:  # HSDP: the shard dim
-        shard_mesh = mesh[mesh.mesh_dim_names[1]]
+    shard_mesh = _shard_mesh(mesh)
     return [tensor_parallel_part(p, n, shard_mesh) if isinstance(p, DTensor) else None for p, n in zip(params, names)]
 
 
@@ -532,9 +544,11 @@ def fully_shard(
             "model.layers: fully_shard(block)), or on the module whose forward uses them"
         )
     module = modules[0]
-    _check_params(module, params, names)  # before the mesh: param errors need no process group
+    _check_params(modules, params, names)  # before the mesh: param errors need no process group
     group, replicate_group = _resolve_groups(mesh)
     tp_parts = _tensor_parallel_parts(params, names, mesh)
+    if isinstance(shard_mesh := _shard_mesh(mesh), DeviceMesh):
+        adopt_mesh(shard_mesh)
     device = _target_device(mesh, params, group)
     # the buffers go where a mesh says, or where the params move (never to meta because the params are there)
     for m in modules:

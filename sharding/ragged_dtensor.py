@@ -80,6 +80,15 @@ class RaggedShard(Replicate):
 _MESHES: dict = {}
 
 
+def adopt_mesh(mesh: DeviceMesh) -> None:
+    """Use the caller's own 1-D ``mesh`` (a dim of their named mesh) for the sharded params of its group, as FSDP2
+    puts its DTensors on the mesh it was given: ``p.device_mesh == mesh["dp"]`` holds, and norms of these params
+    combine with TP's params' of the same root. The first mesh seen for a group stays (tensors already made hold
+    it)."""
+    if mesh.ndim == 1:
+        _MESHES.setdefault(mesh.get_group(), mesh)
+
+
 def mesh_of(group) -> DeviceMesh:
     """A 1-D DeviceMesh over ``group`` (cached per group; building one is cheap but not free)."""
     group = group if group is not None else dist.group.WORLD

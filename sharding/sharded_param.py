@@ -31,7 +31,14 @@ class ShardInfo:
 
     @property
     def shape(self) -> torch.Size:
-        return torch.Size(self.unit.layout.shapes[self.index])
+        """The param's full shape (under tensor parallel the global one; the unit lays out its TP-local block)."""
+        tp = self.tp
+        return torch.Size(self.unit.layout.shapes[self.index]) if tp is None else tp.shape
+
+    @property
+    def tp(self):
+        """The param's TensorParallelPart, or None for a param without tensor parallel."""
+        return self.unit.tp_parts[self.index]
 
     @property
     def numel(self) -> int:

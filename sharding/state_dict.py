@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ragged_optim.sharding.ragged_dtensor import RaggedDTensor, normalize_ranges, ragged_dtensor
+from ragged_optim.sharding.ragged_dtensor import RaggedDTensor, build_ragged, normalize_ranges, ragged_dtensor
 from ragged_optim.sharding.sharded_param import ShardInfo, local_of, shard_info
 from ragged_optim.sharding.state_schema import Elem, default_kind
 
@@ -53,7 +53,9 @@ def _ranges(info: ShardInfo) -> list[tuple[int, int]]:
 def sharded_dtensor(local: torch.Tensor, info: ShardInfo) -> RaggedDTensor:
     """``local`` (laid out like the sharded param of ``info``: one value per local element) as a RaggedDTensor of
     the param's full shape."""
-    return ragged_dtensor(local, info.shape, _ranges(info), info.unit.rank, info.unit.group)
+    if info.tp is None:
+        return ragged_dtensor(local, info.shape, _ranges(info), info.unit.rank, info.unit.group)
+    return build_ragged(local.detach().reshape(-1), info.shape, _ranges(info), info.unit.rank, info.unit.group, info.tp)
 
 
 def _full_value(v: torch.Tensor) -> torch.Tensor:
@@ -68,14 +70,18 @@ def _full_value(v: torch.Tensor) -> torch.Tensor:
     return v
 
 
-def local_piece(v: torch.Tensor, ranges, rank: int, full_shape, local_shape) -> torch.Tensor:
-    """This rank's piece of state-dict value ``v`` for a tensor laid out by ``ranges`` with ``full_shape``."""
+def local_piece(v: torch.Tensor, ranges, rank: int, full_shape, local_shape, tp=None) -> torch.Tensor:
+    """This rank's piece of state-dict value ``v`` for a tensor laid out by ``ranges`` with ``full_shape`` (``tp``:
+    its TensorParallelPart, whose TP-local block the ranges cut)."""
     pieces = normalize_ranges(ranges)
-    if isinstance(v, RaggedDTensor) and v._ragged_ranges == pieces and tuple(v.shape) == tuple(full_shape):
+    same = isinstance(v, RaggedDTensor) and v._ragged_ranges == pieces and v._ragged_tp == tp
+    if same and tuple(v.shape) == tuple(full_shape):
         return v.to_local()  # same layout: no communication
     full = _full_value(v)
     if tuple(full.shape) != tuple(full_shape) and tuple(full.shape) == tuple(local_shape):
         return full  # a rank-local piece (a per-rank state dict of the same layout)
+    if tp is not None:
+        full = tp.local_block(full)
     flat = full.reshape(-1)
     if len(pieces[rank]) == 1:
         lo, hi = pieces[rank][0]
@@ -174,7 +180,7 @@ def _from_dcp(module, state_dict, prefix, local_metadata, strict, _missing, _une
         if key in state_dict and state_dict[key] is p:  # see check_state_dict: keeps its value
             state_dict[key] = p.detach()
         elif key in state_dict and isinstance(state_dict[key], torch.Tensor):
-            piece = local_piece(state_dict[key], _ranges(info), info.unit.rank, info.shape, local_of(p).shape)
+            piece = local_piece(state_dict[key], _ranges(info), info.unit.rank, info.shape, local_of(p).shape, info.tp)
             piece = piece.to(p.dtype) if piece.is_floating_point() else piece
             state_dict[key] = sharded_dtensor(piece, info)  # full shape, as torch's loader checks; copied locally
 
@@ -228,7 +234,7 @@ def elem_local_piece(v: Any, info: ShardInfo, local_shape) -> Any:
     torch DTensor or a full tensor (of the param's full shape) is cut to this rank's elements; a rank-local piece
     passes as it is."""
     if isinstance(v, torch.Tensor) and (hasattr(v, "placements") or tuple(v.shape) == tuple(info.shape)):
-        return local_piece(v, _ranges(info), info.unit.rank, info.shape, local_shape)
+        return local_piece(v, _ranges(info), info.unit.rank, info.shape, local_shape, info.tp)
     return v
 
 

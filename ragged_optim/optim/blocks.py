@@ -256,6 +256,23 @@ def _layout_value(v):
     return tuple(v) if isinstance(v, list) else v  # a state dict may turn a tuple into a list
 
 
+def _refuse_ragged_tensor_parallel(opt: torch.optim.Optimizer) -> None:
+    """Our optimizers compute blocks of a ragged unit's layout, which under tensor parallel holds TP-local blocks:
+    a whole matrix (Newton-Schulz, Shampoo's bands, 8-bit blocks) would be computed per TP rank, silently not the
+    one-process result. Refused until the planner lays blocks out across the TP dims too."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            info = shard_info(p)
+            if info is not None and info.unit.tp_parts[info.index] is not None:
+                raise NotImplementedError(
+                    f"{type(opt).__name__}: param {info.name!r} (in {info.unit.module_name}) is tensor-parallel "
+                    f"(placements {tuple(p.placements)}) and sharded by ragged_optim.fully_shard; our optimizers "
+                    "would compute its blocks per TP rank, not on the whole matrix, so they refuse it for now. Use "
+                    "torch.optim (AdamW, SGD: element-wise, exact here) on these params, or torch's fully_shard for "
+                    "the TP blocks"
+                )
+
+
 class BlockOptimizer(torch.optim.Optimizer):
     """A ``torch.optim.Optimizer`` that computes on whole blocks of its params, sharded or not.
 
@@ -281,6 +298,7 @@ class BlockOptimizer(torch.optim.Optimizer):
     def __init__(self, params, defaults: dict[str, Any], *, allow_split: bool = True) -> None:
         super().__init__(params, defaults)
         self._block_allow_split = allow_split
+        _refuse_ragged_tensor_parallel(self)
         self.declare_param_blocks()
         self._blocks_declared = True
         self.register_step_pre_hook(lambda opt, args, kwargs: opt._lock_block_layouts())

@@ -1,0 +1,286 @@
+"""``ro.fully_shard`` on modules that torch's tensor parallel (``parallelize_module``) already split: the TP-local
+tensors are ragged-sharded over the data-parallel dim, as torch's 2-D FSDP shards them. Each test runs torch's
+``fully_shard`` on the same TP model in the same ranks as the control, and a one-process run of the whole model
+as the reference; ours must be as close to the reference as FSDP2 is (its distance measured in the same run)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+import ragged_optim as ro
+from ragged_optim.comm.launch import run_on_ranks
+from ragged_optim.sharding.ragged_dtensor import RaggedShard
+
+STEPS = 3
+
+
+class Block(nn.Module):
+    """TP's usual MLP pair (column-wise up, row-wise down) and a norm TP leaves alone: plain and TP params in one
+    unit. Row counts divide the TP dim (torch's TP needs that) but the TP-local blocks do not divide dp."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(6, 10)
+        self.down = nn.Linear(10, 6)
+        self.norm = nn.LayerNorm(6)
+
+    def forward(self, x):
+        return self.norm(x + self.down(torch.relu(self.up(x))))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+PLAN = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+
+
+def _mesh(shape):
+    names = ("dp", "tp") if len(shape) == 2 else ("rep", "dp", "tp")
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    dp = mesh["dp"] if len(shape) == 2 else mesh["rep", "dp"]
+    return mesh, dp
+
+
+def _build(kind: str, mesh, dp_mesh):
+    torch.manual_seed(0)
+    model = Net()
+    if kind == "single":
+        return model
+    shard = ro.fully_shard if kind == "ours" else torch_fully_shard
+    for block in model.blocks:
+        parallelize_module(block, mesh["tp"], PLAN)
+        shard(block, mesh=dp_mesh)
+    shard(model, mesh=dp_mesh)
+    return model
+
+
+def _batch(dp_rank: int, step: int) -> torch.Tensor:
+    return torch.randn(4, 6, generator=torch.Generator().manual_seed(100 * step + dp_rank))
+
+
+def _dp_rank_and_size(mesh) -> tuple[int, int]:
+    dims = [n for n in mesh.mesh_dim_names if n != "tp"]
+    sizes = [mesh[n].size() for n in dims]
+    ranks = [mesh[n].get_local_rank() for n in dims]
+    rank, size = 0, 1
+    for r, s in zip(ranks, sizes):
+        rank, size = rank * s + r, size * s
+    return rank, size
+
+
+def _clip_grad_norm(params, max_norm: float) -> float:
+    """torch's clip over params on several meshes (TP's 2-D, the plain params' dp mesh): torch's own
+    clip_grad_norm_ stacks the per-param norms and scales the grads with foreach ops, both of which DTensor refuses
+    across meshes (for FSDP2 as for ours), so the norm is taken per mesh and the grads are scaled one by one."""
+    by_mesh: dict = {}
+    for p in params:
+        if p.grad is not None:
+            key = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
+            by_mesh.setdefault(key, []).append(p.grad)
+    parts = [torch.nn.utils.get_total_norm(grads) for grads in by_mesh.values()]
+    parts = [n.full_tensor() if isinstance(n, DTensor) else n for n in parts]
+    total = torch.linalg.vector_norm(torch.stack(parts))
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=False)
+    return float(total)
+
+
+def _train(kind: str, mesh, dp_mesh):
+    """STEPS of torch AdamW with a clipped grad norm; returns (losses, grad norms, full params)."""
+    model = _build(kind, mesh, dp_mesh)
+    # (foreach=False: torch's foreach ops refuse lists of DTensors on different meshes, FSDP2's as ours)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-2, weight_decay=0.1, foreach=False)
+    dp_rank, dp_size = _dp_rank_and_size(mesh)
+    losses, norms = [], []
+    for step in range(STEPS):
+        if kind == "single":  # the whole batch; the sum of each dp rank's loss over dp: FSDP's averaged grads
+            loss = sum(model(_batch(r, step)).square().sum() for r in range(dp_size)) / dp_size
+        else:
+            loss = model(_batch(dp_rank, step)).square().sum()
+        loss.backward()
+        norms.append(_clip_grad_norm(list(model.parameters()), 1.0))
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    params = [p.full_tensor() if isinstance(p, DTensor) else p.detach().clone() for p in model.parameters()]
+    return losses, norms, params
+
+
+def _types(mesh, dp_mesh):
+    model = _build("ours", mesh, dp_mesh)
+    block = model.blocks[0]
+    up, down, bias, norm = block.up.weight, block.down.weight, block.down.bias, block.norm.weight
+    reference = _build("torch", mesh, dp_mesh)
+    same_init = all(
+        torch.equal(a.full_tensor(), b.full_tensor()) for a, b in zip(model.parameters(), reference.parameters())
+    )
+    return {
+        "dtensor": isinstance(up, DTensor),
+        "shapes": (tuple(up.shape), tuple(down.shape), tuple(bias.shape), tuple(norm.shape)),
+        "placements": tuple(tuple(p.placements) for p in (up, down, bias, norm)),
+        "norm_mesh_is_dp": norm.device_mesh == dp_mesh if dp_mesh.ndim == 1 else True,
+        "dims": [p.dim() for p in model.parameters()],
+        "same_init": same_init,
+    }
+
+
+def _run(rank, world, mesh_shape):
+    mesh, dp_mesh = _mesh(mesh_shape)
+    out = {kind: _train(kind, mesh, dp_mesh) for kind in ("single", "torch", "ours")}
+    out["types"] = _types(mesh, dp_mesh)
+    return out
+
+
+def _distance(a, b) -> float:
+    return max(float((x - y).abs().max()) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 2), (1, 2), (2, 1, 2)], ids=["dp2xtp2", "dp1xtp2", "hsdp2x1xtp2"])
+def test_tensor_parallel_block_trains_as_fsdp2_and_one_process(mesh_shape):
+    """On main: ``NotImplementedError: fully_shard: param 'up.weight' is already a DTensor``."""
+    world = 1
+    for n in mesh_shape:
+        world *= n
+    results = run_on_ranks(_run, world, mesh_shape)
+    for got in results:
+        single, fsdp2, ours = got["single"], got["torch"], got["ours"]
+        types = got["types"]
+        assert types["dtensor"] and types["same_init"] and types["norm_mesh_is_dp"]
+        assert types["shapes"] == ((10, 6), (6, 10), (6,), (6,))
+        assert types["placements"] == (
+            (RaggedShard(), Shard(0)),
+            (RaggedShard(), Shard(1)),
+            (RaggedShard(), Replicate()),
+            (RaggedShard(),),
+        ), types["placements"]
+        assert types["dims"] == [2, 1, 2, 1, 1, 1] * 2 + [2, 1]
+        # as close to the one-process run as FSDP2 is, with the params' own rounding as the floor
+        ulp = torch.finfo(torch.float32).eps * max(float(p.abs().max()) for p in single[2])
+        bound = 4 * _distance(fsdp2[2], single[2]) + 4 * ulp
+        assert _distance(ours[2], single[2]) <= bound, (_distance(ours[2], single[2]), bound)
+        for ours_loss, fsdp2_loss, single_loss in zip(ours[0], fsdp2[0], single[0]):
+            assert abs(ours_loss - single_loss) <= 4 * abs(fsdp2_loss - single_loss) + 4 * ulp * abs(single_loss)
+        for ours_norm, fsdp2_norm, single_norm in zip(ours[1], fsdp2[1], single[1]):
+            assert abs(ours_norm - single_norm) <= 4 * abs(fsdp2_norm - single_norm) + 4 * ulp * abs(single_norm)
+
+
+def _checkpoint(rank, world, tmp: str):
+    """Train ours at (dp=2, tp=2), save model and optimizer with torch's get_state_dict + dcp.save, and load them
+    into FSDP2 + TP at (2, 2), into ours at (dp=4, tp=1), and (full state dicts) into a plain model."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_state_dict,
+        set_state_dict,
+    )
+
+    mesh, dp_mesh = _mesh((2, 2))
+    model = _build("ours", mesh, dp_mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-2, foreach=False)
+    for step in range(2):
+        model(_batch(mesh["dp"].get_local_rank(), step)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmp)
+    want = [p.full_tensor() for p in model.parameters()]
+    want_avg = [opt.state[p]["exp_avg"].full_tensor() for p in model.parameters()]
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    out = {}
+    for label, shape in (("torch 2x2", (2, 2)), ("ours 4x1", (4, 1))):
+        mesh2, dp2 = _mesh(shape)
+        other = _build("torch" if label.startswith("torch") else "ours", mesh2, dp2)
+        with torch.no_grad():
+            for p in other.parameters():
+                p.zero_()
+        other_opt = torch.optim.AdamW(other.parameters(), lr=3e-2, foreach=False)
+        other(_batch(0, 0)).sum().backward()  # (state to load into)
+        other_opt.step()
+        msd2, osd2 = get_state_dict(other, other_opt)
+        loaded = {"model": msd2, "optim": osd2}
+        dcp.load(loaded, checkpoint_id=tmp)
+        set_state_dict(other, other_opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+        got = [p.full_tensor() for p in other.parameters()]
+        got_avg = [other_opt.state[p]["exp_avg"].full_tensor() for p in other.parameters()]
+        out[label] = all(torch.equal(a, b) for a, b in zip(got + got_avg, want + want_avg))
+    plain = Net()
+    plain.load_state_dict(full)
+    out["plain"] = all(torch.equal(a, b.detach()) for a, b in zip(want, plain.parameters()))
+    return out
+
+
+def test_tensor_parallel_checkpoint_moves_between_layouts():
+    """On main: fully_shard refuses the TP model."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "ckpt")
+        results = run_on_ranks(_checkpoint, 4, path)
+    assert results[0] == {"torch 2x2": True, "ours 4x1": True, "plain": True}, results[0]
+    assert all(r == results[0] for r in results)
+
+
+def _bad_inputs(rank, world):
+    mesh, dp_mesh = _mesh((2, 2))
+    errors = {}
+
+    def attempt(label, fn):
+        try:
+            fn()
+        except (ValueError, NotImplementedError) as e:
+            errors[label] = str(e)
+
+    def no_mesh():
+        block = Block()
+        parallelize_module(block, mesh["tp"], PLAN)
+        ro.fully_shard(block)
+
+    def same_dim():
+        block = Block()
+        parallelize_module(block, mesh["tp"], PLAN)
+        ro.fully_shard(block, mesh=mesh["tp"])
+
+    def our_optimizer():
+        block = Block()
+        parallelize_module(block, mesh["tp"], PLAN)
+        ro.fully_shard(block, mesh=dp_mesh)
+        ro.Muon(block.parameters(), lr=0.02)
+
+    def tp_after():
+        block = Block()
+        ro.fully_shard(block, mesh=dp_mesh)
+        parallelize_module(block, mesh["tp"], PLAN)
+
+    attempt("no mesh", no_mesh)
+    attempt("same dim", same_dim)
+    attempt("our optimizer", our_optimizer)
+    attempt("tp after", tp_after)
+    dist.barrier()
+    return errors
+
+
+def test_tensor_parallel_bad_input_says_what_to_do():
+    errors = run_on_ranks(_bad_inputs, 4)[0]
+    assert "'up.weight' is a tensor-parallel DTensor" in errors["no mesh"] and "mesh['dp']" in errors["no mesh"]
+    assert "not another dim of the fully_shard mesh" in errors["same dim"]
+    assert "Muon: param 'up.weight'" in errors["our optimizer"] and "torch.optim" in errors["our optimizer"]
+    # TP after fully_shard: torch's distribute_tensor refuses our DTensor params before changing anything (its own
+    # message, which our code cannot reword: it runs before any op reaches the params)
+    assert "Cannot distribute a DTensor with device mesh" in errors["tp after"], errors.get("tp after")
