@@ -370,3 +370,54 @@ def test_tiny_llama_with_a_tensor_parallel_plan_and_activation_checkpointing():
         logit_ulp = torch.finfo(torch.float32).eps * float(single_logits.abs().max())
         ours_gap = float((ours_logits - single_logits).abs().max())
         assert ours_gap <= 4 * float((fsdp2_logits - single_logits).abs().max()) + 4 * logit_ulp
+
+
+class SequenceParallelBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+        self.up = nn.Linear(8, 12)
+        self.down = nn.Linear(12, 8)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+def _sequence_parallel_run(rank, world):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    mesh, dp_mesh = _mesh((2, 2))
+    plan = {
+        "norm": SequenceParallel(),
+        "up": ColwiseParallel(input_layouts=Shard(1)),
+        "down": RowwiseParallel(output_layouts=Shard(1)),
+    }
+    out = {}
+    for kind in ("torch", "ours"):
+        for mixed in (False, True):
+            torch.manual_seed(0)
+            model = SequenceParallelBlock()
+            parallelize_module(model, mesh["tp"], plan)
+            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else None
+            mp = mp or MixedPrecisionPolicy()  # (torch's fully_shard takes no None)
+            shard = ro.fully_shard if kind == "ours" else torch_fully_shard
+            shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            for step in range(2):
+                seed = step + 10 * dp_mesh.get_local_rank()
+                x = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(seed))
+                model(x).square().sum().backward()  # (this rank's sequence shard of the output)
+                opt.step()
+                opt.zero_grad()
+            out[kind, mixed] = [p.full_tensor() for p in model.parameters()]
+    return out
+
+
+def test_sequence_parallel_norm_mixed_precision_and_kept_params_match_fsdp2():
+    """SequenceParallel's norm (its weight's grad is partial over TP), a bf16 param dtype and
+    reshard_after_forward=False: the same bits as FSDP2 + TP (same TP math; the reduce-scatter sums two ranks and
+    AdamW is element-wise, so nothing here may differ)."""
+    for got in run_on_ranks(_sequence_parallel_run, 4):
+        for mixed in (False, True):
+            assert all(torch.equal(a, b) for a, b in zip(got["ours", mixed], got["torch", mixed])), mixed
