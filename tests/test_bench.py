@@ -55,6 +55,20 @@ def muon_result():
     return run(world_size=2, steps=1, scale=16)
 
 
+def test_tp_bench_keys_and_parity():
+    """`bench tp` at a tiny size: FSDP x TP on a (2, 2) mesh, ours and FSDP2 + TP as close to one process as each
+    other, with the same collectives (on main: no such benchmark, and fully_shard refused the TP params)."""
+    from ragged_optim.bench.tp import run
+
+    r = run(world_size=4, steps=1, preset="tiny", seq_len=32)
+    assert_keys_documented("tp", r)
+    assert r["mesh"] == {"dp": 2, "tp": 2} and r["ranks_agree_on_counts"]
+    assert r["ours_comm"]["calls"] == r["fsdp2_comm"]["calls"] and r["bytes_ratio"] <= 1.0
+    assert_within_reference(
+        r["param_max_abs_diff_vs_single"], r["fsdp2_param_max_abs_diff_vs_single"], 1.0, "bench tp vs one process"
+    )
+
+
 def test_fsdp_keys_and_sanity(fsdp_result):
     r = fsdp_result
     assert FSDP_KEYS <= r.keys()
