@@ -312,6 +312,31 @@ _NOT_A_MEMBER = (
 )
 
 
+def _check_fsdp2_only_args(shard_placement_fn, offload_policy, ignored_params) -> None:
+    """FSDP2's keywords: the values that mean what they mean there are taken, the others refused by name."""
+    from torch.distributed.fsdp import OffloadPolicy
+
+    if shard_placement_fn is not None:
+        raise NotImplementedError(
+            "fully_shard(shard_placement_fn=...): ragged_optim's planner places every param (ragged ranges of one "
+            "flat buffer), so a per-param Shard(dim) is not taken. Leave it None; to keep optimizer blocks whole, "
+            "pass block_policy= (or let our optimizers re-plan the units)"
+        )
+    if offload_policy is not None and type(offload_policy) is not OffloadPolicy:
+        raise NotImplementedError(
+            f"fully_shard(offload_policy={offload_policy!r}): CPU offload is not supported by ragged_optim's "
+            "fully_shard (the shards stay on the unit's device). Pass None or OffloadPolicy() (no offload), or use "
+            "torch's fully_shard for offloading"
+        )
+    if ignored_params is not None and not (
+        isinstance(ignored_params, set | frozenset | list | tuple)
+        and all(isinstance(p, torch.Tensor) for p in ignored_params)
+    ):
+        raise TypeError(
+            f"fully_shard(ignored_params=...) takes a set of params (as FSDP2), got a {type(ignored_params).__name__}"
+        )
+
+
 def _check_args(module, reshard_after_forward, mp_policy, block_policy, comm_policy):
     """Type checks that need no process group, so a wrong argument fails here rather than deep in a hook."""
     if isinstance(module, list | tuple):
@@ -495,7 +520,10 @@ def fully_shard(
     *,
     mesh=None,
     reshard_after_forward: bool | None = True,
+    shard_placement_fn=None,
     mp_policy=None,
+    offload_policy=None,
+    ignored_params: set | None = None,
     block_policy=None,
     comm_policy=None,
 ):
@@ -517,6 +545,10 @@ def fully_shard(
     ``block_policy``: ``fn(name, param) -> BlockSpec | None``, which blocks an optimizer needs whole; our
     optimizers re-plan this for you when they are constructed.
     ``comm_policy``: a ``CommPolicy`` (e.g. ``QuantizedAllGather("int8")``) for quantized communication.
+    ``ignored_params``: params left out of the unit, as in FSDP2 (not sharded, their grads not reduced: the
+    module keeps them as plain params). ``offload_policy``: only torch's ``OffloadPolicy()`` (no offload, its
+    default) or None; ``shard_placement_fn``: only None (the planner places params: ``block_policy``). Both are
+    taken so that code passing FSDP2's keywords (accelerate's FSDP2 path) runs unchanged.
     ``reshard_after_forward``: True, False, or None (torch's default: True for inner units, and the root keeps
     its params for backward; our root always does, so None and True behave the same). ``requires_grad_`` on a
     sharded param takes effect at the next forward; cast or move the module before fully_shard (use mp_policy for
@@ -524,12 +556,17 @@ def fully_shard(
     module with no params of its own makes an empty unit that communicates nothing.
     """
     _check_args(module, reshard_after_forward, mp_policy, block_policy, comm_policy)
+    _check_fsdp2_only_args(shard_placement_fn, offload_policy, ignored_params)
     module_arg = module
     modules = list(module) if isinstance(module, list | tuple) else [module]
     for m in modules:
         if state_of(m) is not None:
             raise ValueError(f"fully_shard was already called on this {type(m).__name__}; call it once per module")
     params, names, refs, ties_outside = _collect_params(modules)
+    if ignored_params:
+        ignored = {id(p) for p in ignored_params}
+        kept = [k for k, p in enumerate(params) if id(p) not in ignored]
+        params, names, refs = [params[k] for k in kept], [names[k] for k in kept], [refs[k] for k in kept]
     for m in modules:
         _check_no_split_ties(m)
     # Hooks run around forward: a ModuleList or ModuleDict has none, so its submodules' own forward would see the

@@ -162,11 +162,7 @@ def check_state_dict(module: nn.Module, state_dict: dict, prefix: str, strict: b
 
 
 def _from_dcp(module, state_dict, prefix, local_metadata, strict, _missing, _unexpected, _errors):
-    if local_metadata.get("assign_to_params_buffers"):
-        raise RuntimeError(
-            f"load_state_dict(assign=True) on a ragged_optim.fully_shard {type(module).__name__}: its params live in "
-            "a flat buffer and cannot be replaced; load with assign=False (the default)"
-        )
+    assign = bool(local_metadata.get("assign_to_params_buffers"))
     checked = getattr(state_dict, "_ragged_checked", None)  # the outermost sharded module checks its whole tree
     if checked is None or not prefix.startswith(checked):
         # the hook's strict is always True (see loading_strict); an unsharded parent's call: strict, all or nothing
@@ -180,9 +176,25 @@ def _from_dcp(module, state_dict, prefix, local_metadata, strict, _missing, _une
         if key in state_dict and state_dict[key] is p:  # see check_state_dict: keeps its value
             state_dict[key] = p.detach()
         elif key in state_dict and isinstance(state_dict[key], torch.Tensor):
+            if assign and info.unit.device.type == "meta":
+                _materialize_for(info.unit, state_dict[key])
             piece = local_piece(state_dict[key], _ranges(info), info.unit.rank, info.shape, local_of(p).shape, info.tp)
             piece = piece.to(p.dtype) if piece.is_floating_point() else piece
-            state_dict[key] = sharded_dtensor(piece, info)  # full shape, as torch's loader checks; copied locally
+            if assign:  # the values go into the flat buffer, and torch's loader re-assigns the param itself
+                with torch.no_grad():
+                    local_of(p).copy_(piece.reshape(local_of(p).shape))
+                state_dict[key] = p
+            else:
+                state_dict[key] = sharded_dtensor(piece, info)  # full shape, as torch's loader checks; copied locally
+
+
+def _materialize_for(unit, value: torch.Tensor) -> None:
+    """``load_state_dict(assign=True)`` into a model sharded on the meta device (accelerate's FSDP2 loading: shard
+    on meta, then assign the real values): the unit gets real shards on the values' device first, as ``to_empty``
+    would give it. Params keep their objects; only their data moves into the flat buffer."""
+    device = value.device if not isinstance(value, DTensor) else value.to_local().device
+    if device.type != "meta":
+        unit.apply_to_shard(lambda t: torch.empty_like(t, device=device))
 
 
 def register_state_dict_hooks(module: nn.Module) -> None:
