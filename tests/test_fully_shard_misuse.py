@@ -432,3 +432,41 @@ def test_helpers_name_arguments_of_the_wrong_kind():
     for call, text in cases:
         with pytest.raises(TypeError, match=text):
             call()
+
+
+def test_fsdp2_keywords_other_than_no_offload_are_refused_by_name():
+    """accelerate passes FSDP2's keywords: the values that mean nothing for us are taken, the others named (on main:
+    ``TypeError: fully_shard() got an unexpected keyword argument 'offload_policy'`` for any of them)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+    from torch.distributed.tensor import Shard
+
+    offload = _err(lambda: fully_shard(Net(), offload_policy=CPUOffloadPolicy()))
+    assert offload.startswith("NotImplementedError") and "CPU offload is not supported" in offload
+    placement = _err(lambda: fully_shard(Net(), shard_placement_fn=lambda p: Shard(0)))
+    assert placement.startswith("NotImplementedError") and "shard_placement_fn" in placement
+    ignored = _err(lambda: fully_shard(Net(), ignored_params="a.weight"))
+    assert ignored.startswith("TypeError") and "ignored_params" in ignored
+
+
+def _ignored_params_like_fsdp2(rank, world):
+    from torch.distributed.fsdp import OffloadPolicy
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    out = {}
+    for name, shard in (("ours", fully_shard), ("torch", torch_fully_shard)):
+        torch.manual_seed(0)
+        model = Net()
+        shard(model, offload_policy=OffloadPolicy(), ignored_params={model.b.bias})
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+        model(x).square().sum().backward()
+        bias = model.b.bias
+        out[name] = (type(bias).__name__, bias.grad.clone(), full_tensor(model.a.weight.grad))
+    return out
+
+
+def test_ignored_params_stay_plain_and_unreduced_as_in_fsdp2():
+    for got in run_on_ranks(_ignored_params_like_fsdp2, WORLD):
+        (ours_type, ours_bias_grad, ours_grad), (torch_type, torch_bias_grad, torch_grad) = got["ours"], got["torch"]
+        assert ours_type == torch_type == "Parameter"
+        assert torch.equal(ours_bias_grad, torch_bias_grad)  # this rank's own grad: not reduced on either side
+        assert torch.equal(ours_grad, torch_grad)
