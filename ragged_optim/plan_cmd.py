@@ -37,6 +37,13 @@ if TYPE_CHECKING:
 
 OPTIMIZERS = ("muon", "shampoo", "soap", "adamw8bit")
 
+#: Tensor parallel as torchtitan and Megatron split a transformer (``--tp``): column-wise (dim 0 / tp) for the
+#: projections into a wider space and the vocab-parallel embedding and head; row-wise (dim 1 / tp) for those back;
+#: everything else (norms, routers, fused expert stacks: no expert TP) replicated over tp.
+TP_COLWISE = ("q_proj", "k_proj", "v_proj", "q_b_proj", "kv_b_proj", "gate_proj", "up_proj", "qkv_proj", "fc1",
+              "w1", "w3", "lm_head", "embed_tokens")  # fmt: skip
+TP_ROWWISE = ("o_proj", "down_proj", "fc2", "w2")
+
 
 def model_names() -> list[str]:
     from ragged_optim.sharding.catalog import model_names as names
@@ -143,10 +150,60 @@ def _units_of(model) -> tuple[str, list]:
     )
 
 
+def _tp_split_dim(name: str, shape) -> int | None:
+    """The dim tensor parallel splits ``name`` along (None: replicated over tp), by TP_COLWISE / TP_ROWWISE."""
+    parts = name.split(".")
+    module = parts[-2] if len(parts) >= 2 else parts[-1]
+    if len(shape) >= 3:  # fused expert stacks: expert parallel's, not TP's
+        return None
+    if module in TP_COLWISE:
+        return 0
+    if module in TP_ROWWISE and len(shape) == 2 and parts[-1] == "weight":
+        return 1
+    return None
+
+
+def parallel_units(units, world_size: int, tp: int = 1, ep: int = 1) -> list[tuple]:
+    """``(unit, ranks)`` to plan under tensor and expert parallel: each unit's TP-local shapes over the
+    ``world_size // tp`` data-parallel ranks; with ``ep``, each unit's fused expert stacks (3-D ``[E, out, in]``)
+    as a unit of their own (``NAME.experts``) holding ``E // ep`` experts, over the ``world_size // ep`` ranks that
+    hold the same experts (the dense rest over every data-parallel rank)."""
+    from ragged_optim.sharding.catalog import Unit
+
+    for value, flag in ((tp, "tp"), (ep, "ep")):
+        if not isinstance(value, int) or value < 1 or world_size % value:
+            raise ValueError(f"{flag} must be an int >= 1 that divides world_size={world_size}, got {value!r}")
+    if tp > 1 and ep > 1:
+        raise ValueError("planning tensor and expert parallel together is not modelled: pass --tp or --ep")
+    out = []
+    for unit in units:
+        dense, experts = [], []
+        for name, shape in unit.params:
+            shape = tuple(shape)
+            if ep > 1 and len(shape) >= 3:
+                if shape[0] % ep:
+                    raise ValueError(f"{name}: {shape[0]} experts do not divide over ep={ep} ranks")
+                experts.append((name, (shape[0] // ep, *shape[1:])))
+                continue
+            dim = _tp_split_dim(name, shape) if tp > 1 else None
+            if dim is not None:
+                if shape[dim] % tp:
+                    raise ValueError(f"{name}: dim {dim} of {shape} does not divide over tp={tp} ranks")
+                shape = tuple(d // tp if k == dim else d for k, d in enumerate(shape))
+            dense.append((name, shape))
+        if dense:
+            out.append((Unit(unit.name, tuple(dense)), world_size // tp))
+        if experts:
+            out.append((Unit(f"{unit.name}.experts", tuple(experts)), world_size // ep))
+    return out
+
+
 def plan_model(
     model,
     world_size: int,
     *,
+    tp: int = 1,
+    ep: int = 1,
     granularity: int = 1,
     optimizer: str | None = None,
     allow_split: bool = True,
@@ -157,8 +214,11 @@ def plan_model(
     """Plan every FSDP unit of ``model`` at ``world_size`` ranks, as ``ragged-optim plan`` does; the Python entry.
 
     ``model``: a catalog name (``ragged_optim.sharding.catalog.model_names()``) or an ``nn.Module`` (only shapes
-    are read: build a large one on the meta device). Block specs come from ``optimizer`` and ``granularity`` (see
-    the module doc). Owners of owner-computed blocks are balanced over all units together, as the optimizers do.
+    are read: build a large one on the meta device). ``tp`` / ``ep``: tensor / expert parallel sizes
+    (:func:`parallel_units`): units are planned at their TP-local shapes over ``world_size // tp`` ranks, expert
+    stacks over ``world_size // ep``; balance figures are then the worst of the two rank groups. Block specs come
+    from ``optimizer`` and ``granularity`` (see the module doc). Owners of owner-computed blocks are balanced over
+    all units of a rank group together, as the optimizers do.
 
     Returns the summary (the keys ``plan --json`` prints) plus ``"_rows"``: one dict per distinct unit, with
     ``count`` units behind it (``owner_moved_*`` and the owner compute balance over all of them: identical units get
@@ -182,36 +242,43 @@ def plan_model(
     if optimizer is not None and optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be None or one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
     name, units = _units_of(model)
-    W, g = world_size, granularity
+    planned = parallel_units(units, world_size, tp, ep)
+    units = [u for u, _ in planned]
+    g = granularity
     t_plan = 0.0
     layouts, unit_tensors, unit_seconds = [], [], []
-    for unit in units:
+    for unit, ranks in planned:
         tensors = [TensorSpec(n, tuple(s), itemsize, block_spec(n, s, g, optimizer)) for n, s in unit.params]
         t0 = time.perf_counter()
-        layouts.append(plan_unit(tensors, W, alignment=alignment, allow_split=allow_split))
+        layouts.append(plan_unit(tensors, ranks, alignment=alignment, allow_split=allow_split))
         unit_seconds.append(time.perf_counter() - t0)
         unit_tensors.append(tensors)
-    # Owners of all units balanced together, largest matrix first, as the optimizers do (one step computes them all).
-    # The stats below read these final owners: which matrices move depends on them.
+    # Owners of all units balanced together, largest matrix first, as the optimizers do (one step computes them all),
+    # within each group of ranks (the expert units' and the dense ones' under expert parallel). The stats below
+    # read these final owners: which matrices move depends on them.
     t0 = time.perf_counter()
-    layouts = assign_owners_jointly(layouts)
+    for ranks in sorted({r for _, r in planned}):
+        idx = [k for k, (_, r) in enumerate(planned) if r == ranks]
+        for k, layout in zip(idx, assign_owners_jointly([layouts[k] for k in idx])):
+            layouts[k] = layout
     t_plan += sum(unit_seconds) + time.perf_counter() - t0
     sums = dict.fromkeys(
         ("total_elements", "padded_elements", "split_blocks", "split_elements", "owner_blocks", "owner_cut_blocks",
          "owner_moved_blocks", "owner_moved_elements", "fsdp2_padded"),
         0,
     )  # fmt: skip
-    loads = np.zeros(W, dtype=np.float64)
-    comp = np.zeros(W, dtype=np.float64)
+    loads = {r: np.zeros(r, dtype=np.float64) for _, r in planned}  # per group of ranks
+    comp = {r: np.zeros(r, dtype=np.float64) for _, r in planned}
     rows: dict[tuple, dict] = {}
     for unit, tensors, layout, dt in zip(units, unit_tensors, layouts, unit_seconds):
+        W = layout.world_size
         st = layout_stats(layout)
         f2 = sum(fsdp2_padded(t.shape, t.spec, W) - math.prod(t.shape) for t in tensors)
         for k in sums:
             sums[k] += f2 if k == "fsdp2_padded" else st[k]
-        loads += rank_loads(layout)
+        loads[W] += rank_loads(layout)
         unit_comp = owner_compute_loads(layout)
-        comp += unit_comp
+        comp[W] += unit_comp
         key = tuple((s, t.spec) for (_, s), t in zip(unit.params, tensors))
         row = rows.get(key)
         if row is None:
@@ -223,6 +290,7 @@ def plan_model(
                 fsdp2_padding_ratio=f2 / st["total_elements"],
                 owner_moved_blocks=0,
                 owner_moved_elements=0,
+                ranks=W,
                 _comp=np.zeros(W, dtype=np.float64),
             )
         row["count"] += 1
@@ -237,11 +305,13 @@ def plan_model(
     total = sums["total_elements"]
     if total == 0:
         raise ValueError(f"model {name} has no parameter elements: there is nothing to shard or plan")
-    mean = total / W
-    cmean = comp.sum() / W
+    load_ratios = [float(v.max() / v.mean()) for v in loads.values() if v.sum() > 0]
+    comp_ratios = [float(v.max() / v.mean()) for v in comp.values() if v.sum() > 0]
     summary = {
         "model": name,
-        "world_size": W,
+        "world_size": world_size,
+        "tp": tp,
+        "ep": ep,
         "granularity": g,
         "total_elements": int(total),
         "padded_elements": int(sums["padded_elements"]),
@@ -253,8 +323,8 @@ def plan_model(
         "owner_moved_blocks": int(sums["owner_moved_blocks"]),
         "owner_moved_bytes_ratio": sums["owner_moved_elements"] / total,
         "fsdp2_padding_ratio": sums["fsdp2_padded"] / total,
-        "max_over_mean_load": float(loads.max() / mean),
-        "owner_compute_max_over_mean": float(comp.max() / cmean) if cmean > 0 else None,
+        "max_over_mean_load": max(load_ratios),
+        "owner_compute_max_over_mean": max(comp_ratios) if comp_ratios else None,
         "plan_seconds": t_plan,
     }
     summary["_rows"] = list(rows.values())
@@ -274,6 +344,8 @@ def run_plan(args) -> dict:
     summary = plan_model(
         model,
         args.world_size,
+        tp=args.tp,
+        ep=args.ep,
         granularity=args.granularity,
         optimizer=args.optimizer,
         allow_split=not args.no_split,
@@ -330,8 +402,9 @@ def print_table(summary: dict, itemsize: int, out=None) -> None:
         f"{'split bytes':>13}{'split %':>9}{'mat cut':>9}{'mat moved':>11}{'moved %':>9}"
         f"{'load max/mean':>15}{'NS max/mean':>13}{'seconds':>9}"
     )
+    parallel = "".join(f"  {k} {summary[k]}" for k in ("tp", "ep") if summary.get(k, 1) > 1)
     print(
-        f"model {summary['model']}  world_size {summary['world_size']}  granularity {summary['granularity']}",
+        f"model {summary['model']}  world_size {summary['world_size']}{parallel}  granularity {summary['granularity']}",
         file=out,
     )
     print(head, file=out)
@@ -400,6 +473,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     source.add_argument("--model", help=f"catalog model: {', '.join(_model_names_for_help())}")
     source.add_argument("--module", help="pkg.mod:factory building an nn.Module (called on the meta device)")
     p.add_argument("--world-size", type=int, required=True, help="number of ranks W")
+    p.add_argument("--tp", type=int, default=1, help="tensor parallel size: units at TP-local shapes over W / tp ranks")
+    p.add_argument(
+        "--ep", type=int, default=1, help="expert parallel size: expert stacks E / ep per rank, over W / ep ranks"
+    )
     p.add_argument("--granularity", type=int, default=1, help="G: rows for matrices, elements for 1-D tensors")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default=None, help="block specs as that optimizer needs")
     p.add_argument("--no-split", action="store_true", help="never split a block: pad instead")

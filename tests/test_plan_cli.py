@@ -15,6 +15,8 @@ from ragged_optim.sharding.layout import BlockSpec
 KEYS = {
     "model",
     "world_size",
+    "tp",
+    "ep",
     "granularity",
     "total_elements",
     "padded_elements",
@@ -235,3 +237,41 @@ def _exit_code(argv) -> int:
         return main(argv)
     except SystemExit as e:
         return e.code
+
+
+def test_tensor_and_expert_parallel_plans():
+    """`plan --tp N` plans TP-local shapes over W / tp ranks, `--ep N` expert stacks of E / ep experts over W / ep
+    ranks (on main: no such options)."""
+    from ragged_optim.sharding.catalog import model_units
+
+    full = plan_cmd.plan_model("llama3-8b", 8, granularity=16)
+    tp = plan_cmd.plan_model("llama3-8b", 16, tp=2, granularity=16)
+    replicated = sum(math.prod(s) for u in model_units("llama3-8b") for _, s in u.params if len(s) == 1)
+    assert tp["total_elements"] == (full["total_elements"] - replicated) // 2 + replicated
+    assert all(row["ranks"] == 8 for row in tp["_rows"]) and tp["tp"] == 2
+    units = dict(plan_cmd.parallel_units(model_units("llama3-8b"), 16, tp=2))
+    layer = dict(next(u for u in units if u.name == "layers.0").params)
+    assert layer["layers.0.self_attn.q_proj.weight"] == (2048, 4096)  # column-wise: rows / tp
+    assert layer["layers.0.self_attn.o_proj.weight"] == (4096, 2048)  # row-wise: columns / tp
+    assert layer["layers.0.input_layernorm.weight"] == (4096,)  # replicated
+    ep = plan_cmd.plan_model("deepseek-v3", 64, ep=8, granularity=16, optimizer="muon")
+    experts = [row for row in ep["_rows"] if row["unit"].endswith(".experts")]
+    assert experts and all(row["ranks"] == 8 for row in experts)
+    assert all(row["ranks"] == 64 for row in ep["_rows"] if not row["unit"].endswith(".experts"))
+    stacked = sum(math.prod(s) for u in model_units("deepseek-v3") for _, s in u.params if len(s) == 3)
+    dense = plan_cmd.plan_model("deepseek-v3", 64, granularity=16)["total_elements"] - stacked
+    assert ep["total_elements"] == dense + stacked // 8
+    for big in (("llama3-70b", 1024, {"tp": 8}), ("deepseek-v3", 2048, {"ep": 64})):
+        assert plan_cmd.plan_model(big[0], big[1], granularity=16, optimizer="muon", **big[2])["plan_seconds"] < 1.0
+
+
+def test_tensor_and_expert_parallel_bad_sizes_are_named(capsys):
+    for argv, want in (
+        (["--world-size", "12", "--tp", "5"], "tp must be an int >= 1 that divides world_size=12"),
+        (["--world-size", "16", "--tp", "2", "--ep", "2"], "not modelled"),
+    ):
+        with pytest.raises(SystemExit):
+            main(["plan", "--model", "llama3-8b", *argv])
+        assert want in capsys.readouterr().err
+    with pytest.raises(ValueError, match="experts do not divide over ep=3"):
+        plan_cmd.plan_model("deepseek-v3", 6, ep=3)
