@@ -7,7 +7,9 @@ With --out naming an existing results file, its runs are kept and only the missi
 made; each run records the commit it ran at and the 1-minute load average when it started (times on a loaded
 machine are longer; the losses do not depend on the load). About 60 to 120 s per 200-step run at 2 ranks on a
 2-core machine. Prints one JSON object: the runs and, per optimizer, the lr with the lowest mean validation loss
-over the seeds (the train job's default lrs are these: tests/test_lr_defaults.py).
+over the seeds (the train job's default lrs are these: tests/test_lr_defaults.py). The README's optimizer table:
+
+    .venv/bin/python benchmarks/lr_sweep.py --table benchmarks/results/lr_sweep_200steps.json
 """
 
 from __future__ import annotations
@@ -66,6 +68,39 @@ def summarize(runs: list[dict]) -> dict:
     return best
 
 
+def _lr(x: float) -> str:
+    return f"{x:.0e}".replace("e-0", "e-")
+
+
+def markdown_table(result: dict) -> str:
+    """The README's optimizer table: per optimizer its best lr (the train job's default), the validation loss
+    there (mean over the seeds, and their range), its ratio to AdamW's at AdamW's best lr, whether every seed of
+    it is below every seed of AdamW's (the seed spread), and the mean at every lr tried; best first."""
+    best = result["best"]
+    base = best["adamw"]["by_lr"][str(best["adamw"]["lr"])]
+    head = (
+        f"| optimizer | default lr (best of the sweep) | val loss, mean of {len(result['seeds'])} seeds [range] "
+        "| vs AdamW | below AdamW beyond the seed spread | mean val loss at each lr tried |"
+    )
+    lines = [head, "|---|---|---|---|---|---|"]
+    for opt in sorted(best, key=lambda o: best[o]["mean_val_loss"]):
+        at = best[opt]["by_lr"][str(best[opt]["lr"])]
+        beyond = "-" if opt == "adamw" else ("yes" if at["max"] < base["min"] else "no")
+        tried = ", ".join(
+            (
+                f"**{_lr(float(k))}: {v['mean']:.3f}**"
+                if float(k) == best[opt]["lr"]
+                else f"{_lr(float(k))}: {v['mean']:.3f}"
+            )
+            for k, v in best[opt]["by_lr"].items()
+        )
+        lines.append(
+            f"| {opt} | {_lr(best[opt]['lr'])} | {at['mean']:.3f} [{at['min']:.3f}, {at['max']:.3f}] "
+            f"| {at['mean'] / base['mean']:.3f}x | {beyond} | {tried} |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=200)
@@ -73,7 +108,12 @@ def main() -> None:
     p.add_argument("--seeds", default="0,1")
     p.add_argument("--optimizers", default=",".join(LRS))
     p.add_argument("--out", default=None, help="results file; its runs are kept and only missing ones are made")
+    p.add_argument("--table", metavar="FILE", help="print the README's markdown table of a results file and exit")
     args = p.parse_args()
+    if args.table:
+        with open(args.table) as f:
+            print(markdown_table(json.load(f)))
+        return
     seeds = [int(s) for s in args.seeds.split(",")]
     runs, header = [], {}
     if args.out and os.path.exists(args.out):
