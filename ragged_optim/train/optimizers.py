@@ -63,12 +63,14 @@ class OptimizerEntry:
     default_lr: float
 
 
+# Default lrs: the best mean validation loss of the lr sweep of this job at its defaults (benchmarks/lr_sweep.py,
+# benchmarks/results/lr_sweep_200steps.json; tests/test_lr_defaults.py keeps the two equal).
 OPTIMIZERS: dict[str, OptimizerEntry] = {
-    "adamw": OptimizerEntry(_adamw, 4e-3),
-    "muon": OptimizerEntry(_muon, 0.02),
-    "shampoo": OptimizerEntry(_shampoo, 3e-3),
-    "adamw8bit": OptimizerEntry(_adamw8bit, 3e-3),
-    "soap": OptimizerEntry(_soap, 3e-3),
+    "adamw": OptimizerEntry(_adamw, 1e-3),
+    "muon": OptimizerEntry(_muon, 5e-2),
+    "shampoo": OptimizerEntry(_shampoo, 1e-2),
+    "adamw8bit": OptimizerEntry(_adamw8bit, 1e-3),
+    "soap": OptimizerEntry(_soap, 1e-2),
 }
 
 
