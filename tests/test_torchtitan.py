@@ -35,7 +35,7 @@ def _cpu_shims():
     attention.FlexAttention.forward = sdpa
 
 
-def _train(rank, world, kind, stop, start=0, load=None, save=None):
+def _train(rank, world, kind, stop, start=0, load=None, save=None, save_after=None):
     import torch.distributed.checkpoint as dcp
     import torchtitan.distributed.fsdp as titan_fsdp
     from torch.distributed.device_mesh import init_device_mesh
@@ -82,20 +82,27 @@ def _train(rank, world, kind, stop, start=0, load=None, save=None):
         total = loss.detach().clone()
         dist.all_reduce(total)
         losses.append(total.item())
-    if save is not None:
-        dcp.save(state, checkpoint_id=save)
+        if save is not None and step + 1 == save_after:
+            dcp.save(state, checkpoint_id=save)
     return losses, norms
 
 
 def test_torchtitan_trains_and_checkpoints_with_our_fully_shard(tmp_path):
-    whole = {kind: run_on_ranks(_train, 2, kind, 5)[0] for kind in ("fsdp2", "ours")}
+    """10 steps on each side, torchtitan's checkpoint of step 5 saved on the way; from either side's step-5
+    checkpoint, steps 6-10 on either side."""
+    whole = {
+        kind: run_on_ranks(_train, 2, kind, 10, save=str(tmp_path / f"{kind}_step5"), save_after=5)[0]
+        for kind in ("fsdp2", "ours")
+    }
     (losses, norms), (their_losses, their_norms) = whole["ours"], whole["fsdp2"]
-    assert losses == their_losses  # 2 ranks: every sum is the same in any order
+    # 2 ranks: every grad sum is the same in any order; the grad norms are summed in another order (ulps), so the
+    # clip coefficients, and after some steps the losses, may differ in their last bits (at step 10: 1 ulp, seen)
     for a, b in zip(norms, their_norms):
-        assert abs(a - b) <= allowed(0.0, b), (norms, their_norms)  # (summed in another order: ulps)
-    for kind in ("fsdp2", "ours"):
-        run_on_ranks(_train, 2, kind, 3, save=str(tmp_path / f"{kind}_step3"))
-    for src in ("fsdp2", "ours"):  # torchtitan's checkpoint of either side resumes on either side
-        for dst in ("fsdp2", "ours"):
-            resumed, _ = run_on_ranks(_train, 2, dst, 5, start=3, load=os.path.join(tmp_path, f"{src}_step3"))[0]
-            assert resumed == their_losses[3:], (src, dst, resumed, their_losses)
+        assert abs(a - b) <= allowed(0.0, b), (norms, their_norms)
+    for a, b in zip(losses, their_losses):
+        assert abs(a - b) <= allowed(0.0, b), (losses, their_losses)
+    assert losses[:5] == their_losses[:5]
+    for src, dst in (("fsdp2", "ours"), ("ours", "fsdp2")):  # torchtitan's step-5 checkpoint, on the other side
+        resumed, _ = run_on_ranks(_train, 2, dst, 10, start=5, load=os.path.join(tmp_path, f"{src}_step5"))[0]
+        for a, b in zip(resumed, whole[src][0][5:]):  # steps 6-10: the saving side's, to its last bits
+            assert abs(a - b) <= allowed(0.0, b), (src, dst, resumed, whole[src][0])
