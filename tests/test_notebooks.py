@@ -67,3 +67,12 @@ def test_notebook_runs(path, tmp_path, monkeypatch):
         if out.get("output_type") == "error"
     ]
     assert not errors, f"{path.name}: error outputs {errors}"
+    # a cell's last expression left as a value prints its repr (load_corpus() printed "Corpus(...)" in 02)
+    stray = [
+        (i, out["data"].get("text/plain", "")[:120])
+        for i, cell in enumerate(nb.cells)
+        if cell.cell_type == "code"
+        for out in cell.get("outputs", [])
+        if out.get("output_type") == "execute_result"
+    ]
+    assert not stray, f"{path.name}: stray value outputs (cell, repr) {stray}: assign them (`_ = ...`) or print"
