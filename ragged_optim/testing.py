@@ -91,10 +91,15 @@ def set_full_grad(p: torch.Tensor, g: torch.Tensor) -> None:
     g = g.to(p.dtype)
     if info is not None:
         p.grad = info.unit.as_ragged(p.local_part_of(g).clone(), info.index)
-    elif hasattr(p, "device_mesh"):
-        from torch.distributed.tensor import distribute_tensor
+    elif hasattr(p, "device_mesh"):  # (torch's distribute_tensor refuses an uneven _StridedShard: FSDP2 + TP's)
+        from torch.distributed.tensor import DTensor
 
-        p.grad = distribute_tensor(g, p.device_mesh, p.placements)
+        from ragged_optim.sharding.dtensor_layout import dtensor_layout
+
+        piece = dtensor_layout(p).local_of_full(g).view(p.to_local().shape).clone()
+        p.grad = DTensor.from_local(
+            piece, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+        )
     else:
         p.grad = g
 

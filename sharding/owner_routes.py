@@ -1,13 +1,12 @@
 """Routes for owner-computed blocks: which rank holds which piece of a block, for ragged-sharded params and for
-torch FSDP2 ``DTensor`` params sharded on dim 0 (whose row chunks are a ragged layout too)."""
+torch ``DTensor`` params of any placements (:mod:`ragged_optim.sharding.dtensor_layout`)."""
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from ragged_optim.comm.owner_exchange import BlockRoute
+from ragged_optim.comm.owner_exchange import BlockRoute, Runs
+from ragged_optim.sharding.dtensor_layout import DTensorLayout
 from ragged_optim.sharding.layout import BlockSpec
 from ragged_optim.sharding.sharded_param import shard_info
 
@@ -28,29 +27,6 @@ def ragged_routes(param: torch.Tensor) -> tuple[list[BlockRoute], list[tuple[int
         routes.append(BlockRoute(ob.end - ob.start, ob.owner, tuple(pieces)))
         spans.append((ob.start, ob.end))
     return routes, spans
-
-
-def dtensor_local_ranges(param: torch.Tensor) -> list[tuple[int, int]]:
-    """Each rank's flat element range of a DTensor sharded ``Shard(0)`` on a 1-D mesh (torch.chunk rows)."""
-    from torch.distributed.tensor import Shard
-
-    mesh = param.device_mesh
-    if mesh.ndim != 1 or len(param.placements) != 1 or not isinstance(param.placements[0], Shard):
-        raise ValueError(
-            f"only 1-D meshes with Shard(0) placement are supported for DTensor params, got {param.placements} "
-            f"on a {mesh.ndim}-D mesh; redistribute the param or use ragged_optim.fully_shard"
-        )
-    if param.placements[0].dim != 0:
-        raise ValueError(f"DTensor params must be sharded on dim 0, got Shard({param.placements[0].dim})")
-    w = mesh.size()
-    d0 = param.shape[0]
-    rest = math.prod(param.shape[1:])
-    chunk = -(-d0 // w) if d0 else 0
-    ranges = []
-    for r in range(w):
-        a, b = min(r * chunk, d0), min((r + 1) * chunk, d0)
-        ranges.append((a * rest, b * rest))
-    return ranges
 
 
 def balanced_owners(costs: list[float], holders: list[int], world_size: int, slack: float = 1.1) -> list[int]:
@@ -83,3 +59,50 @@ def blocks_over_ranges(spec: BlockSpec, numel: int, ranges: list[tuple[int, int]
         out.append((s, e, pieces, holder))
         start = e
     return out
+
+
+def owners_by_cost(costs: list[float], holders: list[int], world_size: int) -> list[int]:
+    """Owners of DTensor params' routed blocks, balanced by cost over every rank of the exchange group: the one call
+    site of the balancer for them (:func:`balanced_owners`)."""
+    return balanced_owners(costs, holders, world_size)
+
+
+def blocks_over_layout(spec: BlockSpec, numel: int, layout: DTensorLayout):
+    """Every block of ``spec`` over a DTensor layout: ``(start, end, parts, holder)`` each, where ``parts`` lists
+    ``(class index, block-local runs)`` for each class of ranks holding elements of it and ``holder`` is a rank of
+    the class that holds most of it (-1: none)."""
+    out = []
+    start = 0
+    while start < numel:
+        s, e = spec.block_of(start, numel)
+        parts, best, holder = [], 0, -1
+        for ci, h in enumerate(layout.classes):
+            a, b = h.slice_of(s, e)
+            if b > a:
+                parts.append((ci, h.runs_in(s, e)))
+                if b - a > best:
+                    best, holder = b - a, h.ranks[0]
+        out.append((s, e, parts, holder))
+        start = e
+    return out
+
+
+def held_alone(parts, layout: DTensorLayout) -> bool:
+    """Whether one rank, and no replica of it, holds a whole block (it is computed where it lies)."""
+    return len(parts) == 1 and len(layout.classes[parts[0][0]].ranks) == 1
+
+
+def layout_route(numel: int, owner: int, parts, layout: DTensorLayout) -> BlockRoute:
+    """The route of a block of a DTensor layout to ``owner``: each class's elements come from one of its ranks (the
+    owner when it is one of them), the result goes back to every rank of each class (replicas included)."""
+    pieces, targets, replicated = [], [], False
+    for ci, runs in parts:
+        ranks = layout.classes[ci].ranks
+        where = runs[0] if len(runs) == 1 else (Runs.of(runs),)
+        pieces.append((owner if owner in ranks else ranks[0], *where))
+        targets.extend((r, *where) for r in ranks)
+        replicated |= len(ranks) > 1
+    key = lambda piece: piece[0]
+    return BlockRoute(
+        numel, owner, tuple(sorted(pieces, key=key)), tuple(sorted(targets, key=key)) if replicated else None
+    )

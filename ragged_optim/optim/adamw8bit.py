@@ -49,10 +49,20 @@ from ragged_optim.kernels import (
     quantize_blockwise,
 )
 from ragged_optim.kernels.adamw8bit_ref import FLT_MAX, ieee_sqrt_
-from ragged_optim.optim.base import full_shape, is_dtensor, local, local_range, local_ranges, process_group
+from ragged_optim.optim.base import (
+    full_shape,
+    is_dtensor,
+    is_range_layout,
+    local,
+    local_range,
+    local_ranges,
+    process_group,
+    runs_of_rank,
+)
 from ragged_optim.optim.muon import adamw_group_update_
 from ragged_optim.optim.optimizer import RaggedOptimizer, check_eps_in_dtype, check_int, check_real, check_reals
 from ragged_optim.sharding import BlockSpec, shard_info
+from ragged_optim.sharding.dtensor_layout import check_placements
 from ragged_optim.sharding.state_schema import Blocks, Elem, Replicated
 
 __all__ = ["AdamW8bit", "DEFAULT_QMAPS", "STATE_KEYS_8BIT"]
@@ -229,9 +239,7 @@ class AdamW8bit(RaggedOptimizer):
         if not self._is_8bit(p, group):  # its full-precision state is in its dtype
             check_eps_in_dtype(what(), p, group["eps"], "eps")
         if is_dtensor(p):
-            from ragged_optim.sharding.owner_routes import dtensor_local_ranges
-
-            dtensor_local_ranges(p)  # raises a clear error for placements other than Shard(0) on a 1-D mesh
+            check_placements(p, f"AdamW8bit: {what()}")
 
     # ------------------------------------------------------------------ layout
 
@@ -271,8 +279,8 @@ class AdamW8bit(RaggedOptimizer):
         scales hold them (:meth:`state_ranges` of each rank): the blocks wholly inside its row chunk, then the
         chunk-boundary-cut blocks it owns. Other params: the blocks each rank computes, in order."""
         group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
-        if not (is_dtensor(p) and shard_info(p) is None and self._is_8bit(p, group)):
-            return super().block_state_ranges(p)
+        if not (is_dtensor(p) and self._is_8bit(p, group)) or not is_range_layout(p):
+            return super().block_state_ranges(p)  # (an N-D DTensor's: the blocks each rank computes, in order)
         bs, numel = group["block_size"], self._numel(p)
         owners = self._routing(process_group(p)).routed[id(p)]
         out = []
@@ -289,11 +297,21 @@ class AdamW8bit(RaggedOptimizer):
         if group is None:
             group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
         bs = group["block_size"]
+        if self._is_nd(p, group):
+            return self.block_state_ranges(p)[dist.get_rank(process_group(p))]
+        if is_dtensor(p) and not is_range_layout(p):  # fp32 state, shaped like the local piece: its runs
+            return [(lo, hi) for lo, hi, _ in runs_of_rank(p, dist.get_rank(process_group(p)), replicas=True)]
         lo, hi = self._local_range(p, bs)
         if not (is_dtensor(p) and shard_info(p) is None and self._is_8bit(p, group)):
             return [(lo, hi)]
         a, b = self._interior(lo, hi, self._numel(p), bs)
         return [(a, b)] + self._owned_cut_blocks(p)
+
+    def _is_nd(self, p: Tensor, group: dict[str, Any]) -> bool:
+        """An 8-bit DTensor param whose ranks do not each hold one flat range (FSDP2 + TP, HSDP + TP): every block
+        goes through the block API, the ones this rank holds alone in place, the others to their owner; its state
+        holds the blocks this rank computes, in order (:meth:`block_state_ranges`)."""
+        return is_dtensor(p) and self._is_8bit(p, group) and not is_range_layout(p)
 
     def _state_parts(self, p: Tensor, group: dict[str, Any]) -> list[tuple[int, int]]:
         """``(elements, blocks)`` of each part of the 8-bit state (parts quantize separately: a partial last block
@@ -303,7 +321,7 @@ class AdamW8bit(RaggedOptimizer):
         for i, (s, e) in enumerate(self.state_ranges(p, group)):
             if i == 0 or e > s:
                 parts.append((max(0, e - s), num_blocks(max(0, e - s), bs)))
-        return parts
+        return parts or [(0, 0)]  # (a rank computing none of an N-D DTensor's blocks: empty state)
 
     # ------------------------------------------------------------------ state
 
@@ -495,7 +513,10 @@ class AdamW8bit(RaggedOptimizer):
         """Updates the blocks this rank holds whole; for a DTensor param returns ``(p, flat local param, flat
         local grad, group)`` for the cut blocks (updated by :meth:`_cut_blocks`), else None."""
         bs = group["block_size"]
-        lo, hi = self._local_range(p, bs)
+        if self._is_nd(p, group):
+            lo, hi = 0, local(p).numel()
+        else:
+            lo, hi = self._local_range(p, bs)
         n = hi - lo
         lp, lg = local(p), local(grad)
         if lp.numel() != n or lg.numel() != n:
@@ -518,6 +539,8 @@ class AdamW8bit(RaggedOptimizer):
         gv = lg.reshape(-1)
         if not gv.is_contiguous():
             gv = gv.contiguous()
+        if self._is_nd(p, group):
+            return p, pv, gv, group, None if contiguous else lp
         if dtensor:
             a, b = self._interior(lo, hi, self._numel(p), bs)
             if b > a:
@@ -543,9 +566,14 @@ class AdamW8bit(RaggedOptimizer):
             for bs in by_param.values():
                 p, group = bs[0].param, group_of[id(bs[0].param)]
                 parts = self._state_parts(p, group)
+                if self._is_nd(p, group):  # its state: every block it computes, in flat order, from 0
+                    bs.sort(key=lambda b: b.start)
+                    n0, b0 = 0, 0
+                else:  # its state: the interior blocks, then the cut ones
+                    n0, b0 = parts[0]
                 pbuf = torch.cat([b.values[0] for b in bs])
                 gbuf = torch.cat([b.values[1] for b in bs])
-                self._update(pbuf, gbuf, self.state[p], parts[0][0], parts[0][1], group)
+                self._update(pbuf, gbuf, self.state[p], n0, b0, group)
                 for b, piece in zip(bs, torch.split(pbuf, [b.numel for b in bs])):
                     b.values[0].copy_(piece)
             return [b.values[0] for b in blocks]
@@ -555,7 +583,7 @@ class AdamW8bit(RaggedOptimizer):
             [p for p, *_ in items],
             [(pv, gv.to(torch.float32)) for _p, pv, gv, _g, _lp in items],
             out=[pv for _p, pv, *_ in items],
-            local_blocks=False,
+            local_blocks=[self._is_nd(p, g) for p, _pv, _gv, g, _lp in items],  # (1-D ones did their interior)
         )
         for _p, pv, _gv, _group, lp in items:
             if lp is not None:

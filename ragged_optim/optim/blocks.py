@@ -24,10 +24,17 @@ from torch import Tensor
 
 from ragged_optim.comm.collectives import same_on_every_rank
 from ragged_optim.comm.owner_exchange import BlockRoute, OwnerExchange
-from ragged_optim.optim.base import full_shape, local, local_range, local_ranges, process_group
+from ragged_optim.optim.base import full_shape, is_dtensor, local, local_range, local_slice, process_group, runs_of_rank
 from ragged_optim.optim.state_schema import declared_schema, is_block_dict, state_from_dcp, state_to_dcp
 from ragged_optim.sharding import BlockSpec, shard_info
-from ragged_optim.sharding.owner_routes import balanced_owners, blocks_over_ranges, ragged_routes
+from ragged_optim.sharding.dtensor_layout import check_placements, dtensor_layout
+from ragged_optim.sharding.owner_routes import (
+    blocks_over_layout,
+    held_alone,
+    layout_route,
+    owners_by_cost,
+    ragged_routes,
+)
 from ragged_optim.sharding.planner import assign_owners_jointly
 from ragged_optim.sharding.state_schema import StateKind
 
@@ -80,6 +87,10 @@ def all_reduce_over_shards(t: Tensor, p: Tensor, op: str = "sum") -> Tensor:
         raise ValueError(f"all_reduce_over_shards: op must be one of {sorted(ops)}, got {op!r}")
     group = process_group(p)
     if group is not None and dist.get_world_size(group) > 1:
+        if op == "sum" and is_dtensor(p):  # replicas of a DTensor's elements (Replicate mesh dims) count once
+            h = dtensor_layout(p).holding()
+            if h.ranks[0] != dist.get_rank(group):
+                t.zero_()
         dist.all_reduce(t, op=ops[op], group=group)
     return t
 
@@ -179,22 +190,21 @@ class _Routing:
                 entry = [(s, e, r) for r, (s, e) in zip(routes, spans)]
             else:
                 numel = max(1, int(torch.Size(full_shape(p)).numel()))
-                for s, e, pieces, holder in blocks_over_ranges(spec, numel, local_ranges(p)):
-                    if spec.owner_computed or len(pieces) >= 2:
-                        pending.append((entry, len(entry), cost(p, spec, e - s), holder, pieces))
+                layout = dtensor_layout(p)
+                for s, e, parts, holder in blocks_over_layout(spec, numel, layout):
+                    if spec.owner_computed or not held_alone(parts, layout):
+                        pending.append((entry, len(entry), cost(p, spec, e - s), holder, parts, layout))
                         entry.append((s, e, None))
             self.routed[id(p)] = entry
         if pending:
-            owners = balanced_owners([c for _, _, c, _, _ in pending], [h for _, _, _, h, _ in pending], self.world)
-            for (entry, j, _, _, pieces), owner in zip(pending, owners):
+            owners = owners_by_cost([x[2] for x in pending], [x[3] for x in pending], self.world)
+            for (entry, j, _, _, parts, layout), owner in zip(pending, owners):
                 s, e, _ = entry[j]
-                entry[j] = (s, e, BlockRoute(e - s, owner, pieces))
-        # A block its owner holds whole moves no data: the owner computes it in place, as a local block (no copy into
-        # a gather buffer, no result kept for a scatter). Routes are global, so every rank drops the same ones.
+                entry[j] = (s, e, layout_route(e - s, owner, parts, layout))
+        # A block its owner holds whole, alone, moves no data: the owner computes it in place, as a local block (no
+        # copy into a gather buffer, no result kept for a scatter). Routes are global, so every rank drops the same.
         for p, _ in members:
-            self.routed[id(p)] = [
-                (s, e, r) for s, e, r in self.routed[id(p)] if not (len(r.pieces) == 1 and r.pieces[0][0] == r.owner)
-            ]
+            self.routed[id(p)] = [(s, e, r) for s, e, r in self.routed[id(p)] if not _stays_with_owner(r)]
         self._exchanges: dict[tuple, tuple] = {}
 
     def exchange(self, params: list[Tensor], n_inputs: int) -> tuple[list[list[int]], OwnerExchange, OwnerExchange]:
@@ -215,6 +225,11 @@ class _Routing:
         return self._exchanges[key]
 
 
+def _stays_with_owner(route: BlockRoute) -> bool:
+    targets = route.pieces if route.targets is None else route.targets
+    return len(targets) == 1 and targets[0][0] == route.owner
+
+
 def _local_block_spans(spec: BlockSpec, lo: int, hi: int, numel: int, skip: set[int]) -> list[tuple[int, int]]:
     """The blocks wholly inside ``[lo, hi)`` whose start is not in ``skip`` (the routed ones)."""
     out = []
@@ -227,11 +242,14 @@ def _local_block_spans(spec: BlockSpec, lo: int, hi: int, numel: int, skip: set[
     return out
 
 
-def _computed_spans(spec: BlockSpec, lo: int, hi: int, numel: int, routed: list, rank: int) -> list[tuple[int, int]]:
-    """The blocks rank ``rank`` computes, as sorted, merged flat ranges: those wholly inside its ``[lo, hi)`` that are
-    not routed elsewhere, and the routed ones it owns (a few: no loop over every block of a large param)."""
+def _computed_spans(spec: BlockSpec, runs, numel: int, routed: list, rank: int) -> list[tuple[int, int]]:
+    """The blocks rank ``rank`` computes, as sorted, merged flat ranges: those wholly inside one of its ``runs``
+    (``(start, end, local start)``: :func:`runs_of_rank`) that are not routed elsewhere, and the routed ones it owns
+    (a few: no loop over every block of a large param)."""
     spans = []
-    if hi > lo:
+    for lo, hi, _ in runs:
+        if hi <= lo:
+            continue
         s0, e0 = spec.block_of(lo, numel)
         a = lo if s0 == lo else e0  # the first block boundary at or after lo
         b = hi if hi >= numel else spec.block_of(hi, numel)[0]  # the last one at or before hi
@@ -250,6 +268,15 @@ def _computed_spans(spec: BlockSpec, lo: int, hi: int, numel: int, routed: list,
         else:
             merged.append((s, e))
     return merged
+
+
+def _own_runs(p: Tensor) -> list[tuple[int, int, int]]:
+    """This rank's runs of ``p`` whose blocks it may compute where they lie (:func:`runs_of_rank`); a plain param's:
+    all of it."""
+    if not is_dtensor(p):
+        lo, hi = local_range(p)
+        return [(lo, hi, 0)] if hi > lo else []
+    return runs_of_rank(p, dist.get_rank(process_group(p)))
 
 
 def _layout_value(v):
@@ -309,6 +336,15 @@ class BlockOptimizer(torch.optim.Optimizer):
         constructor's: every rank adds the same groups). Without that, a ragged unit's layout would not keep the new
         params' blocks whole, and their blocks cut by a rank boundary were silently computed in pieces."""
         super().add_param_group(param_group)
+        gi = len(self.param_groups) - 1
+        for i, p in enumerate(self.param_groups[gi]["params"]):
+            if is_dtensor(p):
+                try:
+                    check_placements(p, f"{type(self).__name__}: param_groups[{gi}]['params'][{i}] with shape "
+                                     f"{tuple(p.shape)}")  # fmt: skip
+                except ValueError:
+                    self.param_groups.pop()
+                    raise
         if self.__dict__.get("_blocks_declared"):
             self._blocks_stale = True
 
@@ -335,7 +371,8 @@ class BlockOptimizer(torch.optim.Optimizer):
             else:
                 routed = self._routing(group).routed[id(p)]
                 cache[id(p)] = [
-                    _computed_spans(spec, lo, hi, numel, routed, r) for r, (lo, hi) in enumerate(local_ranges(p))
+                    _computed_spans(spec, runs_of_rank(p, r), numel, routed, r)
+                    for r in range(dist.get_world_size(group))
                 ]
         return cache[id(p)]
 
@@ -489,10 +526,11 @@ class BlockOptimizer(torch.optim.Optimizer):
         group = process_group(p)
         routed = self._routing(group).routed[id(p)] if group is not None else []
         rank = dist.get_rank(group) if group is not None else 0
-        lo, hi = local_range(p)
         numel = max(1, int(torch.Size(full_shape(p)).numel()))
         out = [spec.block_index(s) for s, _, r in routed if r is not None and r.owner == rank]
-        out += [spec.block_index(s) for s, _ in _local_block_spans(spec, lo, hi, numel, {s for s, _, _ in routed})]
+        skip = {s for s, _, _ in routed}
+        for lo, hi, _ in _own_runs(p):
+            out += [spec.block_index(s) for s, _ in _local_block_spans(spec, lo, hi, numel, skip)]
         return sorted(out)
 
     def has_cut_blocks(self, p: Tensor) -> bool:
@@ -511,7 +549,7 @@ class BlockOptimizer(torch.optim.Optimizer):
         *,
         out: Sequence[Tensor] | None = None,
         out_dtype: torch.dtype | None = None,
-        local_blocks: bool = True,
+        local_blocks: bool | Sequence[bool] = True,
         wire_dtype: torch.dtype | str | None = None,
     ) -> list[Tensor]:
         """Run ``fn`` on every block of ``params`` that this rank computes, and put each block's result back where
@@ -527,7 +565,7 @@ class BlockOptimizer(torch.optim.Optimizer):
         one block is the param's whole local tensor and the result has the output dtype (no copy), or a new tensor
         in ``out_dtype`` (default: the first input's dtype).
         ``local_blocks=False``: ``fn`` sees only the gathered blocks, and elements of blocks held whole are left as
-        they are in ``out``.
+        they are in ``out`` (a list of bools: per param).
         ``wire_dtype``: the dtype pieces travel in (default: the input's), or ``"int8"`` / ``"fp8_e4m3"``.
 
         A collective for distributed params: every rank of a group calls it with the same ``params``."""
@@ -559,16 +597,17 @@ class BlockOptimizer(torch.optim.Optimizer):
         blocks: list[Block] = []
         sinks: list[tuple] = []  # per block: ("local", k, lo-relative start) or ("routed", group key, route index)
         exchanges, routed_starts = self._gather_cut_blocks(params, flats, wire_dtype, blocks, sinks)
-        if local_blocks:
-            for k, p in enumerate(params):
+        with_local = [local_blocks] * len(params) if isinstance(local_blocks, bool) else list(local_blocks)
+        for k, p in enumerate(params):
+            if with_local[k]:
                 spec = self._spec_of(p)
-                lo, hi = local_range(p)
                 numel = max(1, int(torch.Size(full_shape(p)).numel()))
-                for s, e in _local_block_spans(spec, lo, hi, numel, routed_starts.get(k, set())):
-                    shape = spec.block_shape(s, e)
-                    vals = tuple(f[s - lo : e - lo].view(shape) for f in flats[k])
-                    blocks.append(Block(p, spec.block_index(s), s, e, shape, vals, False))
-                    sinks.append(("local", k, s - lo))
+                for lo, hi, at in _own_runs(p):  # (one run, at 0, unless a DTensor's layout cuts its rows)
+                    for s, e in _local_block_spans(spec, lo, hi, numel, routed_starts.get(k, set())):
+                        shape = spec.block_shape(s, e)
+                        vals = tuple(f[at + s - lo : at + e - lo].view(shape) for f in flats[k])
+                        blocks.append(Block(p, spec.block_index(s), s, e, shape, vals, False))
+                        sinks.append(("local", k, at + s - lo))
         results = fn(blocks) if blocks else []
         with torch.no_grad():  # a non-contiguous input was copied: in-place changes go back into it
             for xs, fs in zip(inputs, flats):
@@ -595,11 +634,9 @@ class BlockOptimizer(torch.optim.Optimizer):
             back = scatter_x.scatter(owned[key], wire_dtype or dtype, dtype=dtype, device=flats[ks[0]][0].device)
             routed = self._routing(pg).routed
             for k, ris in zip(ks, idx):
-                lo, hi = local_range(params[k])
                 for ri, (s, e, _) in zip(ris, routed[id(params[k])]):
-                    a, b = max(lo, s), min(hi, e)
-                    if b > a:
-                        outs.put(k, a - lo, back[ri])
+                    if ri in back:
+                        outs.put(k, local_slice(params[k], s, e)[0], back[ri])
         return outs.finish()
 
     def _gather_cut_blocks(self, params, flats, wire_dtype, blocks: list, sinks: list) -> tuple[dict, dict]:
@@ -628,12 +665,11 @@ class BlockOptimizer(torch.optim.Optimizer):
             device = flats[ks[0]][0].device
             pieces: list[Tensor | None] = [None] * (n_routes * n_inputs)
             for k, ris in zip(ks, idx):
-                lo, hi = local_range(params[k])
                 for ri, (s, e, _) in zip(ris, routed[id(params[k])]):
-                    a, b = max(lo, s), min(hi, e)
+                    a, b = local_slice(params[k], s, e)
                     if b > a:
                         for j, f in enumerate(flats[k]):
-                            pieces[j * n_routes + ri] = f[a - lo : b - lo].to(dtype)
+                            pieces[j * n_routes + ri] = f[a:b].to(dtype)
             full = gather_x.gather(pieces, wire_dtype or dtype, dtype=dtype, device=device)
             exchanges[key] = (pg, ks, idx, scatter_x)
             for k, ris in zip(ks, idx):

@@ -15,6 +15,7 @@ from ragged_optim.optim.base import full_shape, is_dtensor, local, scalar
 from ragged_optim.optim.blocks import BlockOptimizer
 from ragged_optim.optim.nonfinite import guard_step
 from ragged_optim.optim.state_schema import state_from_dcp
+from ragged_optim.sharding.dtensor_layout import check_placements
 
 
 def _shown(value: Any) -> str:
@@ -107,18 +108,9 @@ class RaggedOptimizer(BlockOptimizer):
         super().add_param_group(param_group)
 
     def _check_dtensor(self, gi: int, i: int, p: torch.Tensor) -> None:
-        """Refuse a DTensor param this library cannot place (FSDP2's HSDP ``(Replicate(), Shard(0))``, ``Shard(1)``)."""
-        from torch.distributed.tensor import Shard
-
-        placements = tuple(p.placements)
-        mesh = getattr(p, "device_mesh", None)
-        if len(placements) != 1 or not isinstance(placements[0], Shard) or placements[0].dim != 0 or mesh is None:
-            raise ValueError(
-                f"{self._param_label(gi, i)} is a torch DTensor with placements {placements}; {type(self).__name__} "
-                "supports DTensor params sharded Shard(0) on a 1-D mesh (torch FSDP2 fully_shard), plain tensors "
-                "and ragged_optim.fully_shard params: redistribute it to Shard(0) or shard the model with "
-                "ragged_optim.fully_shard."
-            )
+        """Refuse a DTensor param no step can take (``Partial`` placements: summands, not pieces, of the param); any
+        mix of ``Shard(d)``, ``_StridedShard`` and ``Replicate`` on a mesh of any dims is taken."""
+        check_placements(p, f"{type(self).__name__}: {self._param_label(gi, i)}")
 
     def _begin_step(self, closure) -> tuple[object, bool]:
         """Run the closure; from now on the sharded layouts shape this optimizer's state, so lock them; check the
@@ -322,7 +314,7 @@ def _as_dtype(v):
 
 class BandPreconditionerChecks:
     """The param and grad checks of the optimizers that precondition bands of a matrix (Shampoo, SOAP): real,
-    floating, non-empty params; DTensors sharded ``Shard(0)`` on a 1-D mesh; dense real grads, as local tensors.
+    floating, non-empty params; DTensors without ``Partial`` placements; dense real grads, as local tensors.
     Mixed into a :class:`RaggedOptimizer`; errors name the optimizer class."""
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:

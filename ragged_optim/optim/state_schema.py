@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ragged_optim.optim.base import full_shape, is_dtensor, local, local_range, process_group
+from ragged_optim.optim.base import full_shape, is_dtensor, local, local_of_full, process_group
 from ragged_optim.sharding import shard_info
 from ragged_optim.sharding.ragged_dtensor import RaggedDTensor, ragged_dtensor
 from ragged_optim.sharding.state_dict import _full_value, elem_local_piece, local_piece, sharded_dtensor
@@ -238,9 +238,8 @@ def _unwrap(opt, p, kind: StateKind, v: Any) -> Any:
             if isinstance(v, DTensor) and not isinstance(v, RaggedDTensor) and v.shape == p.shape:
                 same = v.device_mesh == p.device_mesh and tuple(v.placements) == tuple(p.placements)
                 return (v if same else v.redistribute(p.device_mesh, p.placements)).to_local()
-            if isinstance(v, RaggedDTensor) or tuple(v.shape) == tuple(p.shape):  # a full (or ragged) value: its rows
-                lo, hi = local_range(p)
-                return _full_value(v).reshape(-1)[lo:hi].view(local(p).shape)
+            if isinstance(v, RaggedDTensor) or tuple(v.shape) == tuple(p.shape):  # a full (or ragged) value: its part
+                return local_of_full(p, _full_value(v))
             return v
         return _full_value(v) if isinstance(v, DTensor) else v
     if isinstance(kind, Blocks) and kind.form != "dict":
