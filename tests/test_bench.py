@@ -60,7 +60,7 @@ def test_tp_bench_keys_and_parity():
     other, with the same collectives (on main: no such benchmark, and fully_shard refused the TP params)."""
     from ragged_optim.bench.tp import run
 
-    r = run(world_size=4, steps=1, preset="tiny", seq_len=32)
+    r = run(world_size=4, steps=1, preset="tiny", seq_len=32, muon=False)  # (its Muon part: the test below)
     assert_keys_documented("tp", r)
     assert r["mesh"] == {"dp": 2, "tp": 2} and r["ranks_agree_on_counts"]
     assert r["ours_comm"]["calls"] == r["fsdp2_comm"]["calls"] and r["bytes_ratio"] <= 1.0
@@ -382,3 +382,22 @@ def test_peers_by_seed_merge_equals_one_process(monkeypatch, tmp_path):
         assert merged[key] == whole[key]
     with pytest.raises(SystemExit, match="the same seed twice"):
         script.merge([files[0], files[0]])
+
+
+def test_tp_bench_muon_part_keys_and_sanity():
+    """`bench tp`'s Muon part at a tiny size (mesh (2, 2), 1 block of width 24): ours bitwise equal to one process,
+    fewer collectives and bytes than torch.optim.Muon on the same FSDP2 + TP params (failed before: ro.Muon refused
+    these params)."""
+    from ragged_optim.bench.tp_muon import muon_part
+
+    r = muon_part(world_size=4, steps=1, scale=16, n_layers=1)
+    assert_keys_documented("tp", r)
+    assert "(_StridedShard(dim=0, sf=2), Shard(dim=0))" in r["muon_placements"]
+    assert "(Shard(dim=0), Shard(dim=1))" in r["muon_placements"]
+    assert r["muon_max_rel_diff_vs_unsharded"] == 0.0  # the same ops on the same whole matrices, one thread each
+    assert r["muon_ours_vs_torch_rel_diff_unsharded"] == 0.0  # the same rule as torch's: the peer is comparable
+    assert r["muon_ours_collectives_per_step"] < r["muon_torch_collectives_per_step"]
+    assert r["muon_ours_bytes_per_step"] < r["muon_torch_bytes_per_step"]
+    assert r["muon_ours_comm"]["calls"]["all_to_all"] == 2  # one gather, one scatter, for every matrix of the mesh
+    assert math.isclose(r["muon_speedup_vs_torch"], r["muon_torch_opt_step_s"] / r["muon_ours_opt_step_s"])
+    assert len(r["owner_compute_loads"]) == 4 and r["owner_compute_max_over_mean"] >= 1.0

@@ -104,13 +104,7 @@ def full(model) -> dict:
 
 def run_layout(rank, world, shape):
     mesh = make_mesh(shape)
-    out = {"layout_ok": True}
-    for n, p in tp_fsdp(MLP(), mesh).named_parameters():  # the runs each rank computes on are torch's own pieces
-        from ragged_optim.sharding.dtensor_layout import dtensor_layout
-
-        want = MLP().get_parameter(n).detach()
-        out["layout_ok"] &= torch.equal(dtensor_layout(p).local_of_full(want), p.to_local().reshape(-1))
-        out.setdefault("placements", {})[n] = str(tuple(p.placements))
+    out = {}
     for name, make in {**OPTIMIZERS, **PEERS}.items():
         ref = MLP()
         ref_opt = make(list(ref.parameters()))
@@ -129,6 +123,13 @@ def run_layout(rank, world, shape):
                 if _has_spec(opt, p)
             }
         out[name] = res
+    out["layout_ok"] = True
+    for n, p in tp_fsdp(MLP(), mesh).named_parameters():  # the runs each rank computes on are torch's own pieces
+        from ragged_optim.sharding.dtensor_layout import dtensor_layout
+
+        want = MLP().get_parameter(n).detach()
+        out["layout_ok"] &= torch.equal(dtensor_layout(p).local_of_full(want), p.to_local().reshape(-1))
+        out.setdefault("placements", {})[n] = str(tuple(p.placements))
     return out
 
 

@@ -196,7 +196,8 @@ TYPICAL_TIME = {
     "soap": "17 s (4 ranks; 2026-12-02, load average 6-8 from other jobs)",
     "adamw8bit": "not recorded (3 seeds x 100 steps of the tiny GPT, torchao's side on FSDP2 as well)",
     "comm": "not recorded (3 configurations x 3 seeds of the small GPT on 4 ranks)",
-    "tp": "67 s (4 ranks as a 2 x 2 mesh, 6 steps of each side; 2026-12-02, load average 13-14 from other jobs)",
+    "tp": "67 s for the training part (4 ranks as a 2 x 2 mesh, 6 steps of each side; 2026-12-02, load average 13-14 "
+    "from other jobs), then 134 s for the Muon part (2 x 44 bench20m matrices, 2 timed steps; load average 24)",
     "hsdp": "67 s (4 ranks, 2 x 6 steps of the small GPT; 2026-12-02, load average 8-10 from other jobs)",
     "peers": "about 15 min per family alone on the machine (muon: 803-916 s, docs/benchmarks.md), over an hour for "
     "all four families (3 seeds x 300 steps each; one process)",

@@ -8,6 +8,11 @@ same). Step k runs ours then FSDP2 for even k, FSDP2 then ours for odd k. Step 0
 (``count_collectives``: FSDP's gathers and reduce-scatters and TP's own collectives, on both sides alike) and the
 rest are timed (medians). Rank 0 then replays every step in one process on the unsplit model (each dp rank's rows
 as a micro-batch, so the gradient sum has the same terms) and compares each side's full params with it.
+
+Then, in a second ``run_on_ranks`` call on the same mesh (``muon=False`` skips it), the Muon part
+(``ragged_optim.bench.tp_muon``): ``ro.Muon`` against ``torch.optim.Muon`` on the same torch FSDP2 + TP DTensor
+matrices (every block's qkv, attention proj, fc and proj split by torch's TP plan): ``muon_*`` and
+``owner_compute_*`` keys.
 """
 
 from __future__ import annotations
@@ -131,9 +136,12 @@ def run(
     lr: float = 1e-3,
     compare_single: bool = True,
     timeout_s: float = 600.0,
+    muon: bool = True,
+    muon_steps: int | None = None,
 ) -> dict:
     """Run on ``world_size`` gloo ranks as a (world_size // tp, tp) mesh; ``steps`` timed steps (default 4) after
-    a warmup and a counted step; ``batch_size``: the global batch (default one row per dp rank)."""
+    a warmup and a counted step; ``batch_size``: the global batch (default one row per dp rank). ``muon``: also run
+    the Muon part (``muon_steps`` timed optimizer steps, default 2)."""
     steps = 4 if steps is None else steps
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
@@ -167,4 +175,8 @@ def run(
     out["ranks_agree_on_counts"] = all(
         r["ours_comm"] == results[0]["ours_comm"] and r["fsdp2_comm"] == results[0]["fsdp2_comm"] for r in results
     )
+    if muon:
+        from ragged_optim.bench.tp_muon import muon_part
+
+        out.update(muon_part(world_size, muon_steps, tp=tp, preset=preset, compare_single=compare_single))
     return out
