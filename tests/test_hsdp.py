@@ -245,25 +245,30 @@ def _two_hsdp_jobs(rank, world_size):
 
 
 def _fsdp2_hsdp_params(rank, world_size):
-    """torch FSDP2's HSDP params (DTensors placed (Replicate(), Shard(0))) with our clip_grad_norm_ and Muon."""
+    """torch FSDP2's HSDP params (DTensors placed (Replicate(), Shard(0))) with our clip_grad_norm_ and Muon, which
+    steps on them as one process does on the full tensors with the same grads."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     from ragged_optim.optim import muon_param_groups
     from ragged_optim.sharding import clip_grad_norm_
 
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+
+    model, ref = build(), build()
     torch_fully_shard(model, mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))
     model(torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))).square().mean().backward()
     ours = clip_grad_norm_(model.parameters(), float("inf"))  # max_norm inf: measures, changes nothing
     theirs = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
-    try:
-        Muon(muon_param_groups(model))
-        refused = None
-    except ValueError as e:
-        refused = str(e)
-    return ours.item(), theirs.full_tensor().item(), refused
+    for p, q in zip(model.parameters(), ref.parameters()):
+        q.grad = p.grad.full_tensor()
+    Muon(muon_param_groups(model), lr=0.05).step()
+    Muon(muon_param_groups(ref), lr=0.05).step()
+    same = all(torch.equal(p.full_tensor(), q) for p, q in zip(model.parameters(), ref.parameters()))
+    placements = {str(tuple(p.placements)) for p in model.parameters()}
+    return ours.item(), theirs.full_tensor().item(), same, placements
 
 
 @pytest.fixture(scope="module")
@@ -278,9 +283,11 @@ def test_two_hsdp_jobs_in_one_world_do_not_share_step_decisions(hsdp_world):
         assert skipped == ({"muon": 0, "adamw8bit": 0} if job == 0 else {"muon": 1, "adamw8bit": 1}), (job, skipped)
 
 
-def test_fsdp2_hsdp_params_clip_like_torch_and_muon_refuses_them(hsdp_world):
+def test_fsdp2_hsdp_params_clip_like_torch_and_muon_steps_on_them(hsdp_world):
     """Before: both raised torch's ``Found the DeviceMesh have 2 dimensions ... mesh_dim needs to be specified``
-    (clip_grad_norm_ from its group lookup; Muon at its first step)."""
-    for ours, theirs, refused in hsdp_world[1]:
+    (clip_grad_norm_ from its group lookup; Muon at its first step); then Muon refused them (1-D meshes only). Now
+    each matrix is computed once on the 2 x 2 mesh and sent to both replicas: bitwise one process's step."""
+    for ours, theirs, same, placements in hsdp_world[1]:
         assert ours == theirs  # the largest |grad|: exact on both sides
-        assert refused is not None and "(Replicate(), Shard(dim=0))" in refused and "Muon supports" in refused
+        assert placements == {"(Replicate(), Shard(dim=0))"}
+        assert same

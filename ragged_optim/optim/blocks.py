@@ -13,6 +13,7 @@ exactly this API. A complete example: docs/custom_optimizer.md.
 
 from __future__ import annotations
 
+import bisect
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -247,6 +248,8 @@ def _computed_spans(spec: BlockSpec, runs, numel: int, routed: list, rank: int) 
     (``(start, end, local start)``: :func:`runs_of_rank`) that are not routed elsewhere, and the routed ones it owns
     (a few: no loop over every block of a large param)."""
     spans = []
+    cut = sorted((s, e) for s, e, _ in routed)
+    starts = [s for s, _ in cut]
     for lo, hi, _ in runs:
         if hi <= lo:
             continue
@@ -254,7 +257,9 @@ def _computed_spans(spec: BlockSpec, runs, numel: int, routed: list, rank: int) 
         a = lo if s0 == lo else e0  # the first block boundary at or after lo
         b = hi if hi >= numel else spec.block_of(hi, numel)[0]  # the last one at or before hi
         x = a
-        for s, e in sorted((s, e) for s, e, _ in routed if s >= a and e <= b):
+        for s, e in cut[bisect.bisect_left(starts, a) : bisect.bisect_right(starts, b)]:
+            if e > b:
+                break
             if s > x:
                 spans.append((x, s))
             x = max(x, e)
