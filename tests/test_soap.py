@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 import math
 import os
-import re
 
 import pytest
 import torch
@@ -549,8 +548,10 @@ def test_hsdp_equals_one_process():
 
 
 def _construct_on_placements(rank, world_size):
+    """SOAP on real DTensors of a 2-rank gloo group, placed every way torch places params (a 2-D mesh too), two
+    steps each; placement -> (params equal to one process's bitwise, or its ValueError). ``Partial`` is refused."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
     mesh, mesh_2d = init_device_mesh("cpu", (world_size,)), init_device_mesh("cpu", (world_size, 1))
     out = {}
@@ -559,21 +560,39 @@ def _construct_on_placements(rank, world_size):
         "Replicate()": (mesh, [Replicate()]),
         "Shard(1)": (mesh, [Shard(1)]),
         "2-D mesh": (mesh_2d, [Shard(0), Replicate()]),
+        "Partial()": (mesh, [Partial()]),
     }.items():
+        torch.manual_seed(0)
+        full = torch.randn(5, 7)
+        p = torch.nn.Parameter(
+            distribute_tensor(full, m, [Replicate() if pl.is_partial() else pl for pl in placements])
+        )
+        if name == "Partial()":
+            p = torch.nn.Parameter(DTensor.from_local(p.to_local(), m, placements, run_check=False))
+        ref = torch.nn.Parameter(full.clone())
         try:
-            SOAP([nn.Parameter(distribute_tensor(torch.randn(4, 6), m, placements))])
-            out[name] = None
+            opts = [
+                SOAP([p], max_preconditioner_dim=3, precondition_frequency=1),
+                SOAP([ref], max_preconditioner_dim=3, precondition_frequency=1),
+            ]
         except ValueError as e:
             out[name] = str(e)
+            continue
+        for step in range(2):
+            g = torch.randn(5, 7, generator=torch.Generator().manual_seed(step))
+            p.grad, ref.grad = distribute_tensor(g, m, placements), g
+            for opt in opts:
+                opt.step()
+        out[name] = torch.equal(p.full_tensor(), ref.detach())
     return out
 
 
-def test_unsupported_dtensor_placements_are_refused_with_a_pointer():
-    out = run_on_ranks(_construct_on_placements, 1)[0]
-    assert out.pop("Shard(0)") is None
-    for name, err in out.items():
-        assert err is not None, name
-        assert re.search(r"placements .*Shard\(0\) on a 1-D mesh.*ragged_optim\.fully_shard", err), err
+def test_dtensor_placements_step_as_one_process_and_partial_is_refused_with_a_pointer():
+    """Before (212c331), every placement but FSDP2's 1-D ``Shard(0)`` was refused."""
+    out = run_on_ranks(_construct_on_placements, 2)[0]
+    err = out.pop("Partial()")
+    assert isinstance(err, str) and "Partial" in err and "redistribute" in err, err
+    assert out == {name: True for name in out}, out
 
 
 # ----------------------------------------------------------------------------------------------- checkpoints
