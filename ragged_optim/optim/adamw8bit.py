@@ -13,6 +13,9 @@ The three kinds of params (see :mod:`ragged_optim.optim.base`):
   ``BlockSpec.elements(block_size, numel)`` and ``allow_split=False``, so every rank's range starts on a block
   boundary. Each rank quantizes its own blocks with no communication, and the state and params are bit-identical
   to the one-process run at any world size. The step checks the layout (a RuntimeError if a range is cut).
+- torch ``DTensor`` params on meshes of several dims (FSDP2 + TP, HSDP + TP): every block through the block API,
+  computed in place where one rank holds it whole and alone, else by one owner over the whole mesh; the state holds
+  the blocks this rank computes, in flat order (docs/parallelism.md).
 - torch FSDP2 ``DTensor`` params (``Shard(0)``, 1-D mesh): torch's row chunks are not planned around blocks, but
   the blocks are still the global ones (``block_size`` elements from element 0). Each rank updates the blocks
   wholly inside its row chunk in place; a block cut by a chunk boundary is owner-computed: its grad and param

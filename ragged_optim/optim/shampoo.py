@@ -29,7 +29,8 @@ in one ``all_to_all`` each way (none when nothing is split). Every band's state 
 every band is computed by exactly the same op sequence as on one process, so results do not depend on the world
 size (tests/test_shampoo_sharded.py).
 
-Placement (torch FSDP2 ``DTensor`` params, ``Shard(0)`` on a 1-D mesh). A rank holds a chunk of whole rows, a ragged
+Placement (torch ``DTensor`` params; FSDP2's ``Shard(0)`` on a 1-D mesh here, any placements on any mesh in
+docs/parallelism.md). A rank holds a chunk of whole rows, a ragged
 range of the flattened param that no planner chose: the same bands of B rows are laid over those row-chunk ranges.
 A band wholly inside one rank's chunk is computed there with no communication; a band cut by a chunk boundary is
 owner-computed (owners balanced greedily, preferring the rank holding most of it) through the same exchange as the
@@ -184,8 +185,8 @@ def _vector_update(g: Tensor, state: dict, t: int, hp: dict) -> Tensor:
 
 class Shampoo(BandPreconditionerChecks, RaggedOptimizer):
     """Shampoo with blocked Kronecker-factored preconditioners and grafting (the published distributed Shampoo
-    semantics), for plain tensors, ``ragged_optim.fully_shard`` params and torch FSDP2 ``DTensor`` params
-    (``Shard(0)`` on a 1-D mesh). See docs/shampoo.md.
+    semantics), for plain tensors, ``ragged_optim.fully_shard`` params and torch ``DTensor`` params (FSDP2's
+    ``Shard(0)``, FSDP2 + TP, HSDP + TP: docs/parallelism.md). See docs/shampoo.md.
 
     Args:
         params: tensors or param groups (any key below may be set per group).

@@ -215,8 +215,9 @@ def step_size(hp: dict, t: int, lr: float) -> float:
 
 class SOAP(BandPreconditionerChecks, RaggedOptimizer):
     """SOAP: Adam in the eigenbasis of Shampoo's preconditioner (Vyas et al. 2024), per band of
-    ``max_preconditioner_dim`` rows, for plain tensors, ``ragged_optim.fully_shard`` params and torch FSDP2
-    ``DTensor`` params (``Shard(0)`` on a 1-D mesh). See the module docstring and docs/soap.md.
+    ``max_preconditioner_dim`` rows, for plain tensors, ``ragged_optim.fully_shard`` params and torch ``DTensor``
+    params (FSDP2's ``Shard(0)``, FSDP2 + TP, HSDP + TP: docs/parallelism.md). See the module docstring and
+    docs/soap.md.
 
     Args:
         params: tensors or param groups (any key below may be set per group).
