@@ -216,6 +216,7 @@ def save_nd(rank, world, root, shape):
         train(model, opt, SAVED_STEPS)
         msd, osd = get_state_dict(model, opt)
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=f"{root}/{name}")
+        ro.save_checkpoint(f"{root}/{name}_ro", model, opt)
 
 
 def load_and_continue(rank, world, root, shape):
@@ -224,17 +225,21 @@ def load_and_continue(rank, world, root, shape):
     mesh = None if shape is None else make_mesh(shape)
     out = {}
     for name in STATE_OPTIMIZERS:
-        model = MLP(seed=5)
-        if mesh is not None:
-            tp_fsdp(model, mesh)
-        opt = OPTIMIZERS[name](list(model.parameters()))
-        msd, osd = get_state_dict(model, opt)
-        state = {"model": msd, "optim": osd}
-        dcp.load(state, checkpoint_id=f"{root}/{name}")
-        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        opt.load_state_dict(opt.state_dict())  # and the optimizer's own state dict goes back in as it came out
-        train(model, opt, 1, first=SAVED_STEPS)
-        out[name] = full(model)  # (a collective)
+        for how in ("dcp", "ro"):
+            model = MLP(seed=5)
+            if mesh is not None:
+                tp_fsdp(model, mesh)
+            opt = OPTIMIZERS[name](list(model.parameters()))
+            if how == "dcp":
+                msd, osd = get_state_dict(model, opt)
+                state = {"model": msd, "optim": osd}
+                dcp.load(state, checkpoint_id=f"{root}/{name}")
+                set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+                opt.load_state_dict(opt.state_dict())  # and the optimizer's own state dict goes back in as it came out
+            else:
+                ro.load_checkpoint(f"{root}/{name}_ro", model, opt)
+            train(model, opt, 1, first=SAVED_STEPS)
+            out[name, how] = full(model)  # (a collective)
     return out if rank == 0 else None
 
 
@@ -250,14 +255,15 @@ def uninterrupted(rank, world):
 def test_state_saved_at_2x2_reloads_at_2x1_1x2_and_plain_exactly(tmp_path):
     """get_state_dict + dcp.save of every optimizer's state on FSDP2 + TP params at (2, 2), dcp.load +
     set_state_dict at (2, 1), (1, 2) and on a plain model, then one more step: bitwise the run that never stopped
-    (Muon's momentum, 8-bit codes and scales per block, Shampoo's and SOAP's per-band factors)."""
+    (Muon's momentum, 8-bit codes and scales per block, Shampoo's and SOAP's per-band factors). The same through
+    ro.save_checkpoint / ro.load_checkpoint."""
     root = str(tmp_path)
     run_on_ranks(save_nd, 4, root, (2, 2), timeout_s=300)
     want = run_on_ranks(uninterrupted, 1)[0]
     for shape in [(2, 1), (1, 2), None]:
         world = 1 if shape is None else math.prod(shape)
         got = run_on_ranks(load_and_continue, world, root, shape, timeout_s=300)[0]
-        for name in STATE_OPTIMIZERS:
+        for (name, how), params in got.items():
             for k in want[name]:
-                diff = (got[name][k] - want[name][k]).abs().max().item()
-                assert torch.equal(got[name][k], want[name][k]), (name, shape, k, diff)
+                diff = (params[k] - want[name][k]).abs().max().item()
+                assert torch.equal(params[k], want[name][k]), (name, how, shape, k, diff)
