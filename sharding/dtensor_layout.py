@@ -214,17 +214,19 @@ _LAYOUTS: dict[int, tuple] = {}
 
 
 def dtensor_layout(param: torch.Tensor) -> DTensorLayout:
-    """The layout of a DTensor param (not a ragged-sharded one), cached per param object and placements."""
+    """The layout of a DTensor param (not a ragged-sharded one), cached per param object (dropped with it) and
+    placements."""
     if shard_info(param) is not None:
         raise ValueError("dtensor_layout: a ragged-sharded param's layout is its unit's")
-    key = (id(param), tuple(param.placements), id(param.device_mesh), tuple(param.shape))
+    key = (tuple(param.placements), id(param.device_mesh), tuple(param.shape))
     hit = _LAYOUTS.get(id(param))
-    if hit is None or hit[0] != key or hit[1]() is not param:
-        layout = DTensorLayout(param)
-        try:
-            ref = weakref.ref(param)
-        except TypeError:
-            return layout
-        _LAYOUTS[id(param)] = (key, ref, layout)
+    if hit is not None and hit[0] == key and hit[1]() is param:
+        return hit[2]
+    layout = DTensorLayout(param)
+    pid = id(param)
+    try:
+        ref = weakref.ref(param, lambda _: _LAYOUTS.pop(pid, None))
+    except TypeError:  # (a tensor type without weak references: not cached)
         return layout
-    return hit[2]
+    _LAYOUTS[pid] = (key, ref, layout)
+    return layout
