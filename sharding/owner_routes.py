@@ -8,6 +8,7 @@ import torch
 from ragged_optim.comm.owner_exchange import BlockRoute, Runs
 from ragged_optim.sharding.dtensor_layout import DTensorLayout
 from ragged_optim.sharding.layout import BlockSpec
+from ragged_optim.sharding.owner_balance import balance_owners
 from ragged_optim.sharding.sharded_param import shard_info
 
 
@@ -29,27 +30,12 @@ def ragged_routes(param: torch.Tensor) -> tuple[list[BlockRoute], list[tuple[int
     return routes, spans
 
 
-def balanced_owners(costs: list[float], holders: list[int], world_size: int, slack: float = 1.1) -> list[int]:
-    """Owners for blocks by greedy largest-first, preferring the rank that holds most of the block while it stays
-    within ``slack`` of the balanced load (then no data moves for it)."""
-    load = [0.0] * world_size
-    target = sum(costs) / max(1, world_size)
-    owners = [0] * len(costs)
-    for j in sorted(range(len(costs)), key=lambda j: -costs[j]):
-        h = holders[j]
-        if h >= 0 and load[h] + costs[j] <= slack * target + 1e-9:
-            r = h
-        else:
-            r = min(range(world_size), key=lambda k: (load[k], k))
-        owners[j] = r
-        load[r] += costs[j]
-    return owners
 
 
 def blocks_over_ranges(spec: BlockSpec, numel: int, ranges: list[tuple[int, int]]):
     """Every block of ``spec`` over given per-rank flat ranges: ``(start, end, pieces, holder)`` each, where
     ``holder`` is the rank with the largest piece. Owners are for the caller to assign (jointly over all params,
-    with ``balanced_owners``)."""
+    with ``owner_balance.balance_owners``)."""
     out = []
     start = 0
     while start < numel:
@@ -63,8 +49,8 @@ def blocks_over_ranges(spec: BlockSpec, numel: int, ranges: list[tuple[int, int]
 
 def owners_by_cost(costs: list[float], holders: list[int], world_size: int) -> list[int]:
     """Owners of DTensor params' routed blocks, balanced by cost over every rank of the exchange group: the one call
-    site of the balancer for them (:func:`balanced_owners`)."""
-    return balanced_owners(costs, holders, world_size)
+    site of the balancer for them (:func:`~ragged_optim.sharding.owner_balance.balance_owners`)."""
+    return balance_owners(costs, range(world_size), holders)
 
 
 def blocks_over_layout(spec: BlockSpec, numel: int, layout: DTensorLayout):

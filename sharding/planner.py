@@ -14,9 +14,11 @@ Algorithm, for speed and quality:
    the shift that puts its first cuts on the previous block boundary, the most common such shift over all its
    cuts, the next rank boundary). States are pruned to a Pareto front of (end, cost). Cut costs are computed with
    arithmetic on block boundaries, one value per rank boundary, never per block.
-3. Owners of owner-computed blocks (Muon matrices): longest-processing-time greedy on Newton-Schulz cost
-   ``m * n * min(m, n)``, preferring the rank that holds the largest piece of the matrix while its load stays under
-   ``(1 + slack) * max(mean load, largest block)``.
+3. Owners of owner-computed blocks (Muon matrices): :func:`~ragged_optim.sharding.owner_balance.balance_owners`
+   (longest-processing-time greedy) on Newton-Schulz cost ``m * n * min(m, n)``, preferring the rank that holds the
+   largest piece of the matrix while its load stays under ``(1 + slack) * max(mean load, largest block)``. Split
+   blocks start on the rank holding most of them. An optimizer re-balances the blocks it declares with its own
+   ``block_cost`` (:func:`assign_owners_jointly`), split blocks and, if it asks, whole blocks included.
 
 Plans are cached per (shapes, specs, itemsize, W, alignment, options): transformer layers repeat.
 
@@ -29,7 +31,6 @@ aligned position where they would start and they own no blocks.
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,11 +38,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from .layout import BlockSpec, Layout, OwnedBlock
+from .owner_balance import balance_owners, default_block_cost
 
 __all__ = ["TensorSpec", "plan_unit", "layout_stats", "rank_loads", "owner_compute_loads", "clear_plan_cache"]
 
 _BEAM = 8  # states kept per tensor in the placement search
-_OWNER_SLACK = 0.10  # how far above the balanced load a holder may go before a block moves elsewhere
 _GRID = (0.0, 0.0005, 0.001, 0.002, 0.004, 0.007, 0.01, 0.015, 0.02, 0.03, 0.045, 0.07, 0.1)
 _CACHE: dict = {}
 _CACHE_MAX = 512
@@ -341,16 +342,6 @@ def _plan_offsets(items: list[_Item], W: int, q: int, s_quant: int, allow_split:
 # Owned blocks: split blocks and owner-computed blocks.
 
 
-def _matrix_dims(shape: tuple[int, ...], block: int) -> tuple[int, int]:
-    if len(shape) >= 2 and block == shape[-2] * shape[-1]:
-        return shape[-2], shape[-1]
-    if len(shape) >= 2 and block == math.prod(shape) and shape[0] > 0:
-        return shape[0], block // shape[0]
-    if len(shape) >= 2 and shape[-1] > 0 and block % shape[-1] == 0:
-        return block // shape[-1], shape[-1]
-    return 1, block
-
-
 def _holder(off: int, a: int, b: int, S: int) -> int:
     """The rank holding the most of global range [off+a, off+b) (lowest such rank)."""
     lo, hi = off + a, off + b
@@ -392,78 +383,103 @@ def _owned_blocks(items_all: list[_Item], S: int, offsets: list[int]):
     return tuple(tuple(x) for x in owned)
 
 
-def _ns_cost(shape: tuple[int, ...], numel: int) -> float:
-    m, n = _matrix_dims(shape, numel)
-    return float(m) * n * min(m, n)
-
-
-def _owner_computed(layout: Layout, tag) -> list[tuple]:
-    """``(cost, key, holder)`` of every owner-computed block; key = ``(tag, tensor index, block start)``."""
+def _candidates_of(layout: Layout, tag, cost, tensors, whole: bool) -> list[tuple]:
+    """``(cost, key, holder)`` of every block of ``layout`` whose owner is to be balanced; key = ``(tag, tensor index,
+    block start, block end)``. Owner-computed blocks and split blocks always; with ``whole`` also every block of a
+    locally-computed spec that one rank holds whole (it may be computed elsewhere for balance). ``tensors``: the
+    tensor indices to balance (None: all)."""
     S = layout.shard_size
     out = []
     for i, (shape, spec, blocks) in enumerate(zip(layout.shapes, layout.specs, layout.owned_blocks)):
-        if spec.owner_computed:
-            off = layout.offsets[i]
-            out.extend(
-                (_ns_cost(shape, b.end - b.start), (tag, i, b.start), _holder(off, b.start, b.end, S)) for b in blocks
-            )
+        if tensors is not None and i not in tensors:
+            continue
+        off, n = layout.offsets[i], math.prod(shape)
+        spans = [(b.start, b.end) for b in blocks if spec.owner_computed or b.split]
+        if whole and not spec.owner_computed and n:
+            cut = {s for s, _ in spans}
+            start = 0
+            while start < n:
+                s, e = spec.block_of(start, n)
+                if s not in cut:
+                    spans.append((s, e))
+                start = e
+            spans.sort()
+        for s, e in spans:
+            c = cost(t=tag, i=i, shape=shape, spec=spec, numel=e - s)
+            out.append((c, (tag, i, s, e), _holder(off, s, e, S)))
     return out
 
 
-def _lpt_owners(comp: list[tuple], load: np.ndarray) -> dict:
-    """LPT on Newton-Schulz cost over ranks already carrying ``load`` (updated in place), preferring the rank
-    holding the largest piece while it stays under the balanced cap (then the block needs no communication)."""
-    W = len(load)
-    total = sum(c[0] for c in comp)
-    cap = max((float(load.sum()) + total) / W, max(c[0] for c in comp)) * (1 + _OWNER_SLACK)
-    # Only the len(comp) least-loaded ranks can be the least loaded when a block is placed (each placement touches
-    # one rank): start the heap from them, not from all W.
-    k = min(W, len(comp))
-    idx = np.argpartition(load, k - 1)[:k] if k < W else np.arange(W)
-    heap = [(float(load[r]), int(r)) for r in idx]
-    heapq.heapify(heap)
-    owners: dict = {}
-    for cost, key, h in sorted(comp, key=lambda c: (-c[0], c[1])):
-        if load[h] + cost <= cap:
-            owner = h
-        else:
-            while True:
-                lv, r = heapq.heappop(heap)
-                if lv == load[r]:
-                    break
-            owner = r
-        load[owner] += cost
-        heapq.heappush(heap, (float(load[owner]), owner))
-        owners[key] = owner
-    return owners
+def _balanced(comp: list[tuple], load: np.ndarray) -> dict:
+    """Owners of the candidate blocks ``comp`` over ranks already carrying ``load`` (updated in place), as
+    ``{(tag, tensor index): [(start, end, owner), ...]}``."""
+    owners = balance_owners([c[0] for c in comp], range(len(load)), [c[2] for c in comp], load=load)
+    out: dict = {}
+    for (_, (tag, i, s, e), _), o in zip(comp, owners):
+        out.setdefault((tag, i), []).append((s, e, o))
+    return out
 
 
 def _with_owners(layout: Layout, owners: dict, tag) -> Layout:
-    owned = tuple(
-        tuple(
-            OwnedBlock(b.start, b.end, owners[(tag, i, b.start)], False) if spec.owner_computed else b for b in blocks
-        )
-        for i, (spec, blocks) in enumerate(zip(layout.specs, layout.owned_blocks))
-    )
-    return dataclasses.replace(layout, owned_blocks=owned)
+    """``layout`` with the balanced owners: owner-computed and split blocks take theirs; a whole block of a
+    locally-computed spec given to another rank than its holder is listed (``split=False``), the others stay local."""
+    S = layout.shard_size
+    owned = []
+    for i, blocks in enumerate(layout.owned_blocks):
+        listed = {(b.start, b.end): b for b in blocks}
+        mine = owners.get((tag, i))
+        if not mine:
+            owned.append(tuple(blocks))
+            continue
+        for s, e, o in mine:
+            b = listed.get((s, e))
+            if b is not None:
+                listed[(s, e)] = OwnedBlock(s, e, o, b.split)
+            elif o != _holder(layout.offsets[i], s, e, S):
+                listed[(s, e)] = OwnedBlock(s, e, o, False)
+        owned.append(tuple(listed[k] for k in sorted(listed)))
+    return dataclasses.replace(layout, owned_blocks=tuple(owned))
+
+
+def _default_cost(t, i, shape, spec, numel) -> float:
+    return default_block_cost(shape, spec, numel)
 
 
 def _assign_owners(layout: Layout, load: np.ndarray) -> Layout:
-    comp = _owner_computed(layout, 0)
+    comp = _candidates_of(layout, 0, _default_cost, None, False)
+    comp = [c for c in comp if layout.specs[c[1][1]].owner_computed]
     if not comp:
         return layout
-    return _with_owners(layout, _lpt_owners(comp, load), 0)
+    return _with_owners(layout, _balanced(comp, load), 0)
 
 
-def assign_owners_jointly(layouts: Sequence[Layout]) -> list[Layout]:
-    """Re-assign the owners of the owner-computed blocks of several units that share one process group, largest
-    block first over all of them (planning unit by unit with a running load places each unit's large matrices
-    before the next unit's, which balances worse). Data placement is unchanged; only who computes moves."""
+def assign_owners_jointly(
+    layouts: Sequence[Layout],
+    *,
+    block_cost=None,
+    tensors: Sequence[set[int] | None] | None = None,
+    balance_whole_blocks: bool = False,
+) -> list[Layout]:
+    """Re-assign who computes the blocks of several units that share one process group, largest first over all
+    of them with :func:`~ragged_optim.sharding.owner_balance.balance_owners` (planning unit by unit with a running
+    load places each unit's large matrices before the next unit's, which balances worse). Data placement is
+    unchanged; only who computes moves.
+
+    Balanced: owner-computed blocks and split blocks (each preferring the rank holding most of it), and with
+    ``balance_whole_blocks`` every whole block of a locally-computed spec too (moved off its holder only when that
+    rank is over the cap: then its data travels each step). ``block_cost(t=, i=, shape=, spec=, numel=)``: the cost
+    of a block of tensor ``i`` of ``layouts[t]`` (default: :func:`~ragged_optim.sharding.owner_balance.
+    default_block_cost`). ``tensors[t]``: the tensor indices of ``layouts[t]`` to balance (None: all); the others
+    keep their owners."""
     layouts = list(layouts)
-    comp = [c for t, lay in enumerate(layouts) for c in _owner_computed(lay, t)]
+    cost = block_cost or _default_cost
+    comp = []
+    for t, lay in enumerate(layouts):
+        sel = None if tensors is None else tensors[t]
+        comp.extend(_candidates_of(lay, t, cost, sel, balance_whole_blocks))
     if not comp:
         return layouts
-    owners = _lpt_owners(comp, np.zeros(layouts[0].world_size))
+    owners = _balanced(comp, np.zeros(layouts[0].world_size))
     return [_with_owners(lay, owners, t) for t, lay in enumerate(layouts)]
 
 
@@ -571,7 +587,7 @@ def owner_compute_loads(layout: Layout) -> np.ndarray:
         if not spec.owner_computed:
             continue
         for ob in blocks:
-            load[ob.owner] += _ns_cost(tuple(shape), ob.end - ob.start)
+            load[ob.owner] += default_block_cost(tuple(shape), spec, ob.end - ob.start)
     return load
 
 
@@ -596,8 +612,8 @@ def layout_stats(layout: Layout) -> dict:
     split_blocks = split_elems = 0
     owner_blocks = owner_cut = owner_moved = owner_moved_elems = 0
     for i, (spec, blocks) in enumerate(zip(layout.specs, layout.owned_blocks)):
-        if not spec.owner_computed:
-            split_blocks += len(blocks)
+        if not spec.owner_computed:  # (whole blocks listed only because another rank computes them are not split)
+            split_blocks += sum(1 for b in blocks if b.split)
             split_elems += sum(b.end - b.start for b in blocks if b.split)
             continue
         owner_blocks += len(blocks)

@@ -92,7 +92,7 @@ def _one_process(make, blocks, steps: int) -> dict:
 def _rank(rank, world_size, mesh_shape, preset, scale, n_layers, steps, ns_dtype, compare_single):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from ragged_optim.optim.base import ns_cost
+    from ragged_optim.sharding.owner_balance import newton_schulz_cost
     from ragged_optim.testing import set_full_grad
 
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "tp"))
@@ -117,7 +117,7 @@ def _rank(rank, world_size, mesh_shape, preset, scale, n_layers, steps, ns_dtype
             else:
                 times[name].append(timed(opts[name].step))
     ours = opts["ours"]
-    load = sum(ns_cost(0, tuple(p.shape)) * len(ours.blocks_computed_here(p)) for _, p in mats["ours"])
+    load = sum(newton_schulz_cost(*p.shape[-2:]) * len(ours.blocks_computed_here(p)) for _, p in mats["ours"])
     out = {
         "rank": rank,
         "ours_opt_step_s": median(times["ours"]),

@@ -113,11 +113,6 @@ def local_slice(p: torch.Tensor, s: int, e: int) -> tuple[int, int]:
     return (a - lo, b - lo) if b > a else (0, 0)
 
 
-def ns_cost(numel: int, matrix_shape: tuple[int, int]) -> float:
-    m, n = matrix_shape
-    return float(m) * n * min(m, n)
-
-
 def local_range(p: torch.Tensor) -> tuple[int, int]:
     """This rank's flat element range ``[lo, hi)`` of the full param (``(0, numel)`` for a plain tensor)."""
     info = shard_info(p)

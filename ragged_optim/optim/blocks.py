@@ -29,6 +29,7 @@ from ragged_optim.optim.base import full_shape, is_dtensor, local, local_range, 
 from ragged_optim.optim.state_schema import declared_schema, is_block_dict, state_from_dcp, state_to_dcp
 from ragged_optim.sharding import BlockSpec, shard_info
 from ragged_optim.sharding.dtensor_layout import check_placements, dtensor_layout
+from ragged_optim.sharding.owner_balance import default_block_cost
 from ragged_optim.sharding.owner_routes import (
     blocks_over_layout,
     held_alone,
@@ -96,11 +97,19 @@ def all_reduce_over_shards(t: Tensor, p: Tensor, op: str = "sum") -> Tensor:
     return t
 
 
-def declare_blocks(entries: Sequence[tuple[Tensor, BlockSpec]], *, allow_split: bool = True) -> None:
+def declare_blocks(
+    entries: Sequence[tuple[Tensor, BlockSpec]],
+    *,
+    allow_split: bool = True,
+    block_cost: Callable[[Tensor, BlockSpec, int], float] | None = None,
+    balance_whole_blocks: bool = False,
+) -> None:
     """Tell the sharding layer which blocks of which params must be whole: every ragged unit concerned re-plans once
     (a collective: every rank calls it with the same entries, in the same order, before the first step). With
     ``allow_split=False`` no rank boundary may cut a block (8-bit quantization blocks); otherwise the planner may cut
-    a block and mark it owner-computed. Plain and DTensor params need nothing."""
+    a block and mark it owner-computed. Then who computes the owner-computed and cut blocks (and, with
+    ``balance_whole_blocks``, whole blocks too) is balanced over each process group by ``block_cost(p, spec,
+    numel)`` (default: the Newton-Schulz cost of the block's matrix view). Plain and DTensor params need nothing."""
     entries = list(entries)
     for p, spec in entries:
         if not isinstance(spec, BlockSpec):
@@ -109,12 +118,14 @@ def declare_blocks(entries: Sequence[tuple[Tensor, BlockSpec]], *, allow_split: 
                 f"{type(spec).__name__}: {spec!r}"
             )
     by_unit: dict[int, tuple] = {}
+    param_at: dict[tuple[int, int], Tensor] = {}
     for p, spec in entries:
         info = shard_info(p)
         if info is None:
             continue
         unit = info.unit
         by_unit.setdefault(id(unit), (unit, {}))[1][info.index] = spec
+        param_at[(id(unit), info.index)] = p
     for unit, specs in by_unit.values():
         if unit.device.type == "meta" and unit.world_size > 1 and specs:
             raise RuntimeError(
@@ -127,8 +138,19 @@ def declare_blocks(entries: Sequence[tuple[Tensor, BlockSpec]], *, allow_split: 
     for unit, specs in by_unit.values():
         unit.relayout(specs, allow_split=allow_split)
         groups.setdefault(id(unit.group), []).append(unit)
-    for units in groups.values():  # owners of all units of a group, balanced together (largest matrix first)
-        for unit, layout in zip(units, assign_owners_jointly([u.layout for u in units])):
+    for units in groups.values():  # owners of all units of a group, balanced together (largest block first)
+
+        def cost(t, i, shape, spec, numel, units=units):
+            p = param_at[(id(units[t]), i)]
+            return default_block_cost(shape, spec, numel) if block_cost is None else block_cost(p, spec, numel)
+
+        layouts = assign_owners_jointly(
+            [u.layout for u in units],
+            block_cost=cost,
+            tensors=[set(by_unit[id(u)][1]) for u in units],
+            balance_whole_blocks=balance_whole_blocks,
+        )
+        for unit, layout in zip(units, layouts):
             unit.layout = layout
 
 
@@ -164,23 +186,17 @@ def lock_layouts(params) -> None:
             info.unit.layout_locked = True
 
 
-def default_block_cost(spec: BlockSpec, numel: int) -> float:
-    """Compute cost of a block, to balance owners: ``rows * cols * min(rows, cols)`` for a matrix-shaped block (a
-    matmul-bound step: Newton-Schulz, factor products), ``numel`` for a run of elements."""
-    shape = spec.block_shape(0, numel)
-    if len(shape) == 2:
-        return float(shape[0]) * shape[1] * min(shape)
-    return float(numel)
-
-
 class _Routing:
     """Where the cut (and owner-computed) blocks of one process group's params are computed.
 
     Owners are fixed by the whole param set an optimizer declared (not by which params have grads in a step), so
-    per-block state stays on one rank. Ragged params take their layout's owners (the planner balanced them);
-    DTensor blocks get owners balanced jointly (largest cost first, preferring the rank that holds most of it)."""
+    per-block state stays on one rank. Ragged params take their layout's owners (balanced at the declaration by the
+    optimizer's ``block_cost``); DTensor blocks get owners from the same balancer here (largest cost first,
+    preferring the rank that holds most of it), whole blocks too with ``balance_whole``."""
 
-    def __init__(self, members: list[tuple[Tensor, BlockSpec]], group, cost: Callable) -> None:
+    def __init__(
+        self, members: list[tuple[Tensor, BlockSpec]], group, cost: Callable, balance_whole: bool = False
+    ) -> None:
         self.group, self.rank, self.world = group, dist.get_rank(group), dist.get_world_size(group)
         self.routed: dict[int, list[tuple[int, int, BlockRoute | None]]] = {}
         pending = []
@@ -193,7 +209,7 @@ class _Routing:
                 numel = max(1, int(torch.Size(full_shape(p)).numel()))
                 layout = dtensor_layout(p)
                 for s, e, parts, holder in blocks_over_layout(spec, numel, layout):
-                    if spec.owner_computed or not held_alone(parts, layout):
+                    if spec.owner_computed or balance_whole or not held_alone(parts, layout):
                         pending.append((entry, len(entry), cost(p, spec, e - s), holder, parts, layout))
                         entry.append((s, e, None))
             self.routed[id(p)] = entry
@@ -320,6 +336,11 @@ class BlockOptimizer(torch.optim.Optimizer):
     #: change between steps (checked at each step; a change raises before anything is updated), and state saved
     #: with other values does not load (:meth:`layout_difference`).
     layout_keys: tuple[str, ...] = ()
+    #: Whether a block a rank holds whole may be computed by another rank, to balance :meth:`block_cost` over the
+    #: ranks (its data then travels to that owner and its result back, each step). Worth it when a block's cost or
+    #: state is not proportional to its elements (Shampoo's and SOAP's bands: factors of rows^2 and cols^2); off
+    #: by default (the planner already spreads the elements evenly).
+    balance_whole_blocks: bool = False
     #: State of ragged-sharded params is kept as this rank's local pieces (the step computes on ``local(p)``); the
     #: sharding layer's loaders hand torch's optimizers full-shape RaggedDTensor state instead, like their params.
     keeps_local_state = True
@@ -435,8 +456,11 @@ class BlockOptimizer(torch.optim.Optimizer):
         return None
 
     def block_cost(self, p: Tensor, spec: BlockSpec, numel: int) -> float:
-        """The compute cost of one of ``p``'s blocks of ``numel`` elements, to balance owners of cut blocks."""
-        return default_block_cost(spec, numel)
+        """What one of ``p``'s blocks of ``numel`` elements costs the rank that computes it (compute, or the state it
+        keeps), to balance who computes which block: owner-computed and cut blocks, and whole blocks with
+        :attr:`balance_whole_blocks`. Default: the Newton-Schulz cost ``m * n * min(m, n)`` of the block's matrix
+        view (``numel`` for a 1-D run)."""
+        return default_block_cost(full_shape(p), spec, numel)
 
     def declare_param_blocks(self) -> None:
         """(Re)declare every param's spec: called by the constructor, and by the next step after ``add_param_group``
@@ -445,6 +469,8 @@ class BlockOptimizer(torch.optim.Optimizer):
         declare_blocks(
             [(p, s) for g in self.param_groups for p in g["params"] if (s := self.block_spec(p, g)) is not None],
             allow_split=self._block_allow_split,
+            block_cost=self.block_cost,
+            balance_whole_blocks=self.balance_whole_blocks,
         )
         caches = ("_block_routing", "_block_specs", "_block_state_ranges", "_state_schema_cache", "_block_dict_keys")
         for cache in caches:
@@ -520,7 +546,8 @@ class BlockOptimizer(torch.optim.Optimizer):
                 for p in g["params"]
                 if process_group(p) is group and (s := self.block_spec(p, g)) is not None
             ]
-            routing[id(group)] = _Routing(members, group, lambda p, s, n: self.block_cost(p, s, n))
+            cost = lambda p, s, n: self.block_cost(p, s, n)  # noqa: E731
+            routing[id(group)] = _Routing(members, group, cost, self.balance_whole_blocks)
         return routing[id(group)]
 
     def blocks_computed_here(self, p: Tensor) -> list[int]:

@@ -39,11 +39,12 @@ from ragged_optim.kernels.newton_schulz import (
     batched_is_exact,
     newton_schulz,
 )
-from ragged_optim.optim.base import full_shape, is_dtensor, local, ns_cost, on_foreach_device, scalar
+from ragged_optim.optim.base import full_shape, is_dtensor, local, on_foreach_device, scalar
 from ragged_optim.optim.blocks import check_wire_dtype
 from ragged_optim.optim.muon_batches import SmallMatrixBatch, SmallMatrixBatches
 from ragged_optim.optim.optimizer import RaggedOptimizer, check_bool, check_eps_in_dtype, check_real, check_reals
 from ragged_optim.sharding import BlockSpec, shard_info
+from ragged_optim.sharding.owner_balance import newton_schulz_cost
 from ragged_optim.sharding.state_schema import Elem, Replicated
 
 __all__ = ["Muon", "MuonItem", "adamw_update_", "adjust_lr", "BF16_NS_REL_TOL"]
@@ -516,7 +517,7 @@ class Muon(RaggedOptimizer):
         return BlockSpec.matrices(full_shape(p)) if group["use_muon"] else None
 
     def block_cost(self, p: Tensor, spec: BlockSpec, numel: int) -> float:
-        return ns_cost(numel, self._matrix_shape(p))
+        return newton_schulz_cost(*self._matrix_shape(p))
 
     def _orthogonalize_updates(self, items: list[MuonItem]) -> list[Tensor]:
         """Phase (b): Newton-Schulz on every update's matrices, through the block API (:meth:`map_blocks`): a

@@ -360,8 +360,19 @@ class Shampoo(BandPreconditionerChecks, RaggedOptimizer):
             return None
         return shampoo_band_spec(full_shape(p), group["max_preconditioner_dim"])
 
+    #: Bands a rank holds whole may be computed elsewhere: a band's factors (rows^2 + cols^2 per tile) are not
+    #: proportional to its elements, so balancing only the elements (the planner) left 2.3x the state on one rank.
+    balance_whole_blocks = True
+
     def block_cost(self, p: Tensor, spec: BlockSpec, numel: int) -> float:
-        return float(numel) * (numel // matrix_view_shape(full_shape(p))[1])  # rows x elements: the factor products
+        """The elements of band state (``L``, ``R`` and their roots per tile, and the grafting accumulator): what
+        owners are balanced by. For full ``B x B`` tiles it is proportional to the per-step work as well."""
+        group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
+        B = group["max_preconditioner_dim"]
+        cols = matrix_view_shape(full_shape(p))[1]
+        rows = numel // cols
+        factors = sum(n * (rows * rows + w * w) for _, n, w in _tile_groups(cols, B))
+        return float(2 * factors + (numel if group["grafting"] not in (None, "sgd") else 0))
 
     def _matrix_updates(self, items: list[tuple]) -> list[Tensor]:
         """Per item ``(p, grad_local, group, label)``: this rank's update of p's local elements (fp32), through the

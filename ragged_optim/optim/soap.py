@@ -345,12 +345,17 @@ class SOAP(BandPreconditionerChecks, RaggedOptimizer):
             return None
         return shampoo_band_spec(full_shape(p), group["max_preconditioner_dim"])
 
+    #: Bands a rank holds whole may be computed elsewhere, to balance the band state (see ``block_cost``).
+    balance_whole_blocks = True
+
     def block_cost(self, p: Tensor, spec, numel: int) -> float:
-        """Per step, the rotations and factor products of a band: ``numel * (rows + cols)`` (``cols`` only when the
-        columns are rotated), to balance the owners of cut bands."""
+        """The elements of a band's state (``L``, ``Q_L``, ``R``, ``Q_R`` when the columns are rotated, the two
+        moments): what owners are balanced by. It grows with the per-step work (rotations and factor products,
+        ``numel * (rows + cols)``) too."""
         B = next(g["max_preconditioner_dim"] for g in self.param_groups if any(q is p for q in g["params"]))
         _, cols, _ = band_geometry(full_shape(p), B)
-        return float(numel) * (numel // cols + (cols if cols <= B else 0))
+        rows = numel // cols
+        return float(sum(a * b for a, b in _band_shapes(rows, cols, B).values()))
 
     def _band_direction(self, p: Tensor, k: int, g: Tensor, group: dict, label: str) -> Tensor:
         """Band ``k`` of ``p``: its state is created from the first gradient (direction 0), else one SOAP step."""
