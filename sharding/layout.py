@@ -20,6 +20,10 @@ class BlockSpec:
     whole tensor), so the last block of each period may be shorter. ``owner_computed`` blocks (Muon's whole
     matrices) are always computed on one owner rank, gathered there if the layout cuts them; other blocks are
     computed where they live, and the planner keeps them whole or marks them *split* (then an owner computes them).
+
+    ``tile_cols > 0`` (:meth:`tiles`): each block is a band of whole rows, and the optimizer computes it as 2-D
+    tiles of ``tile_cols`` columns (the last one narrower when ``tile_cols`` does not divide the row): the layout
+    keeps bands whole, ``map_blocks`` hands each tile on its own, and block indices count tiles.
     """
 
     block: int
@@ -28,9 +32,12 @@ class BlockSpec:
     #: Elements per row of a block, so an optimizer can view it as ``[rows, row_len]`` (0: a 1-D run). A view
     #: hint only: it changes no layout, so specs that differ only in it compare equal.
     row_len: int = field(default=0, compare=False)
+    #: Columns per 2-D tile (0: blocks are not tiled). Unlike ``row_len`` it is part of the spec's identity: block
+    #: indices (and so per-block state) count tiles.
+    tile_cols: int = 0
 
     def __post_init__(self):
-        for name in ("block", "period", "row_len"):
+        for name in ("block", "period", "row_len", "tile_cols"):
             v = getattr(self, name)
             if not isinstance(v, numbers.Integral) or isinstance(v, bool):  # (a float failed deep in the planner)
                 raise TypeError(f"BlockSpec {name} must be an int, got {v!r} of type {type(v).__name__}")
@@ -41,6 +48,14 @@ class BlockSpec:
             raise ValueError(f"BlockSpec sizes must be >= 1, got block={self.block}, period={self.period}")
         if self.row_len < 0:
             raise ValueError(f"BlockSpec row_len must be >= 0 (0: 1-D blocks), got {self.row_len}")
+        if self.tile_cols < 0:
+            raise ValueError(f"BlockSpec tile_cols must be >= 0 (0: no tiles), got {self.tile_cols}")
+        if self.tile_cols and not (self.row_len and self.block % self.row_len == 0 and self.period % self.row_len == 0):
+            raise ValueError(
+                f"BlockSpec tile_cols={self.tile_cols} needs blocks of whole rows (row_len dividing block and period),"
+                f" got block={self.block}, period={self.period}, row_len={self.row_len}: build it with "
+                "BlockSpec.tiles(tile_rows, tile_cols, shape)"
+            )
 
     @staticmethod
     def elements(g: int, numel: int) -> BlockSpec:
@@ -56,6 +71,29 @@ class BlockSpec:
             return BlockSpec.elements(g, numel)
         r, c = shape[-2], shape[-1]
         return BlockSpec(block=max(1, min(g, r) * c), period=max(1, r * c), row_len=c)
+
+    @staticmethod
+    def tiles(tile_rows: int, tile_cols: int, shape) -> BlockSpec:
+        """2-D tiles of ``tile_rows x tile_cols`` of each ``[R, C]`` matrix of a ``[..., R, C]`` tensor (a stack of
+        matrices, fused experts: tiles never cross a matrix). A tile size that does not divide its dim leaves a
+        short last tile (fewer rows at the bottom of each matrix, fewer columns at the right). The layout keeps
+        each band of ``tile_rows`` rows whole (rank boundaries fall on tile-row multiples); ``map_blocks`` hands
+        every tile as a ``[rows, cols]`` view, indexed row of tiles by row of tiles
+        (``index = band * tiles_per_row + column``)."""
+        for name, v in (("tile_rows", tile_rows), ("tile_cols", tile_cols)):
+            if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"BlockSpec.tiles: {name} must be an int >= 1, got {v!r}")
+        shape = tuple(shape)
+        if len(shape) < 2:
+            raise ValueError(
+                f"BlockSpec.tiles: a param of shape {shape} has no rows and columns to tile; give 2-D tiles to "
+                "matrices (or stacks of them) and BlockSpec.elements(n, numel) to 1-D params"
+            )
+        c = shape[-1]
+        band = BlockSpec.rows(tile_rows, shape)
+        if c == 0:
+            return band
+        return BlockSpec(block=band.block, period=band.period, row_len=c, tile_cols=min(int(tile_cols), c))
 
     @staticmethod
     def matrices(shape, *, matrix_dims: int | None = None) -> BlockSpec:
@@ -78,10 +116,21 @@ class BlockSpec:
             return (n // self.row_len, self.row_len)
         return (n,)
 
+    @property
+    def tiles_per_block(self) -> int:
+        """Tiles per block (a band of rows) of a tiled spec; 1 otherwise."""
+        return -(-self.row_len // self.tile_cols) if self.tile_cols else 1
+
     def block_index(self, start: int) -> int:
-        """The ordinal of the block starting at flat offset ``start`` (blocks counted in flat order)."""
+        """The ordinal of the block starting at flat offset ``start`` (blocks counted in flat order); of a tiled
+        spec, the index of the band's first tile."""
         per_period = -(-self.period // self.block)
-        return (start // self.period) * per_period + (start % self.period) // self.block
+        return ((start // self.period) * per_period + (start % self.period) // self.block) * self.tiles_per_block
+
+    def tile_columns(self) -> list[tuple[int, int]]:
+        """``(first column, width)`` of each tile of a band of a tiled spec, left to right."""
+        c, t = self.row_len, self.tile_cols
+        return [(c0, min(t, c - c0)) for c0 in range(0, c, t)]
 
     def is_boundary(self, x: int, numel: int) -> bool:
         """True when flat offset ``x`` (0 <= x <= numel) falls between two blocks."""

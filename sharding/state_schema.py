@@ -91,11 +91,13 @@ class Blocks:
 
     def record(self) -> tuple:
         s = self.spec
-        return ("Blocks", self.form, s.block, s.period, s.owner_computed)
+        rec = ("Blocks", self.form, s.block, s.period, s.owner_computed)
+        return (*rec, s.row_len, s.tile_cols) if s.tile_cols else rec
 
     def __str__(self) -> str:
         s = self.spec
-        return f"Blocks(BlockSpec(block={s.block}, period={s.period}), form={self.form!r})"
+        tiles = f", row_len={s.row_len}, tile_cols={s.tile_cols}" if s.tile_cols else ""
+        return f"Blocks(BlockSpec(block={s.block}, period={s.period}{tiles}), form={self.form!r})"
 
 
 StateKind = Union[Elem, Blocks, Replicated]  # noqa: UP007  (a runtime alias: isinstance-free, readable in docs)
@@ -125,6 +127,9 @@ def kind_from_record(rec: Any) -> StateKind | None:
     if rec[0] == "Blocks" and len(rec) == 5:
         _, form, block, period, owner = rec
         return Blocks(BlockSpec(block=block, period=period, owner_computed=owner), form)
+    if rec[0] == "Blocks" and len(rec) == 7:  # a tiled spec
+        _, form, block, period, owner, row_len, tile_cols = rec
+        return Blocks(BlockSpec(block, period, owner, row_len=row_len, tile_cols=tile_cols), form)
     return None
 
 
@@ -132,7 +137,7 @@ def n_blocks(spec: BlockSpec, numel: int) -> int:
     """How many blocks of ``spec`` a param of ``numel`` elements has (their indices are ``0 .. n - 1``)."""
     if numel <= 0:
         return 0
-    return spec.block_index(spec.block_of(numel - 1, numel)[0]) + 1
+    return spec.block_index(spec.block_of(numel - 1, numel)[0]) + spec.tiles_per_block
 
 
 _SCALARS = (int, float, bool, complex, str, type(None))

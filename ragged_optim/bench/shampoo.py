@@ -25,6 +25,7 @@ from ragged_optim.comm.launch import run_on_ranks
 from ragged_optim.optim.shampoo import Shampoo
 from ragged_optim.sharding import full_grad, full_tensor, fully_shard, shard_info
 from ragged_optim.testing import set_full_grad
+from ragged_optim.train.accounting import optimizer_state_bytes
 
 #: 10 matrices 256..768 wide, several not multiples of 256 (partial bands and tiles).
 DEFAULT_SHAPES = (
@@ -92,6 +93,7 @@ def _band_rank(rank, world_size, opt_cls, shapes, B, steps, seed, opt_kw):
         "ours_calls": statistics.mean(calls_ours[1:]),
         "rep_bytes": statistics.mean(bytes_rep[1:]),
         "precond_bytes": ours.preconditioner_bytes(),
+        "state_bytes": optimizer_state_bytes(ours),
         "rep_precond_bytes": rep.preconditioner_bytes(),
         "diff": diff,
         "cut_bands": sum(
@@ -112,6 +114,7 @@ def run_band_bench(opt_cls, world_size, steps, shapes, max_preconditioner_dim, s
     ours_s = max(r["ours_s"] for r in res)
     rep_s = max(r["rep_s"] for r in res)
     pre = [r["precond_bytes"] for r in res]
+    state = [r["state_bytes"] for r in res]
     return {
         "world_size": world_size,
         "steps": steps,
@@ -123,6 +126,8 @@ def run_band_bench(opt_cls, world_size, steps, shapes, max_preconditioner_dim, s
         "precond_bytes_per_rank": pre,
         "precond_bytes_max_over_mean": max(pre) / statistics.mean(pre) if sum(pre) else 1.0,
         "replicated_precond_bytes_per_rank": res[0]["rep_precond_bytes"],
+        "state_bytes_per_rank": state,
+        "state_bytes_max_over_mean": max(state) / statistics.mean(state) if sum(state) else 1.0,
         "ours_bytes_per_step": max(r["ours_bytes"] for r in res),
         "ours_collectives_per_step": max(r["ours_calls"] for r in res),
         "replicated_bytes_per_step": max(r["rep_bytes"] for r in res),
@@ -146,6 +151,7 @@ def run(
 
     ``ours_opt_step_s`` / ``replicated_opt_step_s`` (mean seconds per step after the first, max over ranks),
     ``speedup`` (replicated / ours), ``precond_bytes_max_over_mean`` (factor + root bytes per rank),
+    ``state_bytes_max_over_mean`` (all optimizer state bytes per rank, as ``train``'s summary counts them),
     ``ours_bytes_per_step`` / ``replicated_bytes_per_step`` (collective bytes per rank per step, max over ranks),
     ``ours_collectives_per_step``, ``split_bands`` (bands a rank boundary cuts), ``max_rel_diff_vs_unsharded`` (ours
     vs the one-process run, max over params of max|diff| / max|ref|). ``json`` is accepted for the CLI's sake; the

@@ -49,6 +49,7 @@ def run(
 
     ``ours_opt_step_s`` / ``replicated_opt_step_s`` (mean seconds per timed step, max over ranks), ``speedup``
     (replicated / ours), ``precond_bytes_max_over_mean`` (bytes of band state per rank: factors, bases, moments),
+    ``state_bytes_max_over_mean`` (all optimizer state bytes per rank, as ``train``'s summary counts them),
     ``ours_bytes_per_step`` / ``replicated_bytes_per_step`` (collective bytes per rank per step, max over ranks),
     ``ours_collectives_per_step``, ``max_rel_diff_vs_unsharded`` (ours vs the one-process run, max over params of
     max|diff| / max|ref|). ``json`` is accepted for the CLI's sake; the result is always a plain dict."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -59,15 +60,20 @@ class Block:
     ``values`` holds one tensor per input given to :meth:`BlockOptimizer.map_blocks`, each shaped ``shape``: a view
     into the local input for a block this rank holds whole (in-place changes land in the input), a gathered copy for
     a block assembled here from other ranks' pieces (``gathered``; in the widest dtype of the inputs exchanged with
-    it, e.g. fp32 when bf16 and fp32 params share a process group)."""
+    it, e.g. fp32 when bf16 and fp32 params share a process group).
+
+    A tile of a :meth:`BlockSpec.tiles` spec is a ``[rows, cols]`` view of its band (strided: in-place changes land
+    in the band); ``start``/``end`` are its band's flat range and ``tile`` its ``(first row, first column)`` in its
+    matrix."""
 
     param: Tensor  # the param as the optimizer holds it (the key of its state)
-    index: int  # the block's ordinal in the param, flat order (keep per-block state under it)
-    start: int  # flat element range [start, end) of the full (unsharded) param
+    index: int  # the block's ordinal in the param, flat order (keep per-block state under it); tiles count tiles
+    start: int  # flat element range [start, end) of the full (unsharded) param (of a tile: its band's)
     end: int
-    shape: tuple[int, ...]  # (rows, row_len) for bands and matrices, (n,) for runs of elements
+    shape: tuple[int, ...]  # (rows, row_len) for bands and matrices, (rows, cols) for tiles, (n,) for runs
     values: tuple[Tensor, ...]
     gathered: bool
+    tile: tuple[int, int] | None = None  # a tile's (first row, first column) in its matrix; None: not a tile
 
     @property
     def value(self) -> Tensor:
@@ -76,7 +82,26 @@ class Block:
 
     @property
     def numel(self) -> int:
-        return self.end - self.start
+        return math.prod(self.shape)
+
+
+def _split_tiles(blocks: list[Block], sinks: list[tuple], spec_of) -> tuple[list[Block], list[tuple]]:
+    """Each band of a tiled spec as its tiles (views into the band), with sinks that say where each tile's result
+    goes in its band: ``("tile", band sink, rows, row_len, first column)``."""
+    out_b, out_s = [], []
+    for b, sink in zip(blocks, sinks):
+        spec = spec_of(b.param)
+        if not spec.tile_cols:
+            out_b.append(b)
+            out_s.append(sink)
+            continue
+        rows, cols = b.shape
+        row0 = (b.start % spec.period) // cols
+        for j, (c0, w) in enumerate(spec.tile_columns()):
+            vals = tuple(v[:, c0 : c0 + w] for v in b.values)
+            out_b.append(Block(b.param, b.index + j, b.start, b.end, (rows, w), vals, b.gathered, (row0, c0)))
+            out_s.append(("tile", sink, rows, cols, c0))
+    return out_b, out_s
 
 
 def all_reduce_over_shards(t: Tensor, p: Tensor, op: str = "sum") -> Tensor:
@@ -563,7 +588,7 @@ class BlockOptimizer(torch.optim.Optimizer):
         skip = {s for s, _, _ in routed}
         for lo, hi, _ in _own_runs(p):
             out += [spec.block_index(s) for s, _ in _local_block_spans(spec, lo, hi, numel, skip)]
-        return sorted(out)
+        return sorted(b + j for b in out for j in range(spec.tiles_per_block))
 
     def has_cut_blocks(self, p: Tensor) -> bool:
         """Whether :meth:`map_blocks` moves data between ranks for ``p`` (a block of it is cut by a rank boundary, or
@@ -640,6 +665,8 @@ class BlockOptimizer(torch.optim.Optimizer):
                         vals = tuple(f[at + s - lo : at + e - lo].view(shape) for f in flats[k])
                         blocks.append(Block(p, spec.block_index(s), s, e, shape, vals, False))
                         sinks.append(("local", k, at + s - lo))
+        if any(self._spec_of(p).tile_cols for p in params):
+            blocks, sinks = _split_tiles(blocks, sinks, self._spec_of)
         results = fn(blocks) if blocks else []
         with torch.no_grad():  # a non-contiguous input was copied: in-place changes go back into it
             for xs, fs in zip(inputs, flats):
@@ -657,7 +684,17 @@ class BlockOptimizer(torch.optim.Optimizer):
                 raise ValueError(
                     f"map_blocks: fn returned {r.numel()} elements for a block of {block.numel} (shape {block.shape})"
                 )
-            if sink[0] == "routed":
+            if sink[0] == "tile":  # into its band's result (a routed band's is made here, from its first tile)
+                _, band, rows, cols, c0 = sink
+                r = r.reshape(block.shape)
+                if band[0] == "routed":
+                    buf = owned[band[1]].get(band[2])
+                    if buf is None:
+                        buf = owned[band[1]][band[2]] = torch.empty(rows * cols, dtype=r.dtype, device=r.device)
+                    buf.view(rows, cols)[:, c0 : c0 + r.shape[1]].copy_(r)
+                else:
+                    outs.put_tile(band[1], band[2], cols, c0, r)
+            elif sink[0] == "routed":
                 owned[sink[1]][sink[2]] = r.reshape(-1)
             else:
                 outs.put(sink[1], sink[2], r)
@@ -760,6 +797,17 @@ class _Outputs:
         dst = self.flat[k][offset : offset + n]
         if r.data_ptr() != dst.data_ptr():
             dst.copy_(r.reshape(-1))
+
+    def put_tile(self, k: int, offset: int, cols: int, c0: int, r: Tensor) -> None:
+        """A tile's result ``r`` (``[rows, w]``) into columns ``c0 .. c0 + w`` of the band of ``cols`` columns at
+        ``offset`` of param k's output."""
+        if self.flat[k] is None:
+            self.out[k] = torch.zeros_like(local(self.params[k]), dtype=self.dtype(k))
+            self.flat[k] = self.out[k].view(-1)
+        rows, w = r.shape
+        dst = self.flat[k][offset : offset + rows * cols].view(rows, cols)[:, c0 : c0 + w]
+        if r.data_ptr() != dst.data_ptr() or r.stride() != dst.stride():
+            dst.copy_(r)
 
     def finish(self) -> list[Tensor]:
         for k, o in enumerate(self.out):

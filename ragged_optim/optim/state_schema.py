@@ -113,7 +113,7 @@ def block_layout(opt, p: torch.Tensor, kind: Blocks) -> tuple[tuple[int, ...], l
         return tuple(full_shape(p)), [_merged(rs) for rs in spans]
     spec = kind.spec
     numel = math.prod(full_shape(p))
-    last = lambda e: spec.block_index(spec.block_of(e - 1, numel)[0]) + 1  # noqa: E731
+    last = lambda e: spec.block_index(spec.block_of(e - 1, numel)[0]) + spec.tiles_per_block  # noqa: E731
     blocks = [[(spec.block_index(s), last(e)) for s, e in rs] for rs in spans]
     return (n_blocks(spec, numel),), [_merged(rs) for rs in blocks]
 
