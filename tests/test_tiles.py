@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 
 import ragged_optim as ro
 from ragged_optim.comm.launch import run_on_ranks
-from ragged_optim.testing import set_full_grad
+from ragged_optim.testing import assert_sharded_matches_single, set_full_grad
 
 
 class TileAbsMax(ro.BlockOptimizer):
@@ -219,3 +219,27 @@ def test_tile_state_reshards(tmp_path, kind):
             what = f"{kind} at 3 ranks -> {target} at {world} via {how}"
             assert_bitwise(got_state, want_state, f"{what}: the state right after the load")
             assert_bitwise(got_params, want_params, f"{what}: the params {TOTAL - SAVE_AT} steps later")
+
+
+def test_docs_tile_example_matches_one_process():
+    """The tile optimizer of docs/custom_optimizer.md, as written, at 3 ranks (ragged, then FSDP2): tiles of 2 x 2
+    over matrices of 7 x 5 and a stack of 2 x 4 x 3 (short last tiles in both dims)."""
+    from test_block_api import _example
+
+    example = _example("docs/custom_optimizer.md", "TileAbsMax")
+
+    def fsdp2(model):
+        from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+        torch_fully_shard(model)
+
+    for shard_fn in (None, fsdp2):
+        assert_sharded_matches_single(
+            lambda: Mats([(7, 5), (2, 4, 3)], 1),
+            lambda m: example(m.parameters(), lr=0.1, tile=2),
+            world_size=3,
+            steps=2,
+            rtol=0,
+            atol=0,
+            shard_fn=shard_fn,
+        )

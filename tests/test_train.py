@@ -58,6 +58,7 @@ SUMMARY_KEYS = {
     "collectives_per_step",
     "param_bytes_per_rank",
     "optimizer_state_bytes_per_rank",
+    "optimizer_state_max_over_mean",
     "losses",
 }
 

@@ -25,7 +25,10 @@ rank: a rank computes the B x B tiles of every band it holds whole, with no comm
 factor and root matrices. A band the planner had to cut (``split=True`` in ``layout.owned_blocks``) is
 owner-computed: its gradient is gathered to its owner, the owner updates that band's factors and roots and
 computes the band's update, and the update is scattered back; all split bands of one step and process group move
-in one ``all_to_all`` each way (none when nothing is split). Every band's state lives on exactly one rank and
+in one ``all_to_all`` each way (none when nothing is split). Who computes which band is balanced by its state
+(``block_cost``: factors and roots of ``rows^2 + cols^2`` per tile, not proportional to the band's elements): a
+rank whose bands would keep more than 10% over the mean gives whole bands to less loaded ranks, which compute them
+through the same exchange (``balance_whole_blocks``). Every band's state lives on exactly one rank and
 every band is computed by exactly the same op sequence as on one process, so results do not depend on the world
 size (tests/test_shampoo_sharded.py).
 

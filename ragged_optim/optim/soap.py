@@ -41,7 +41,9 @@ Where this differs from the reference implementation (nikhilvyas/SOAP ``soap.py`
   kept (identity at the first step) with a warning.
 
 Placement. Bands are the layout blocks of the sharding layer, the same bands as ``ro.Shampoo``'s: a rank computes
-the bands it holds whole, with no communication, and keeps their state; a band the planner had to cut (or, on
+the bands it holds whole, with no communication, and keeps their state (who computes which band is balanced by
+its state, ``block_cost``: a rank over 10% above the mean gives whole bands to others, computed through the same
+exchange); a band the planner had to cut (or, on
 torch FSDP2 ``Shard(0)`` params, a band a row-chunk boundary cuts) is gathered to its owner, computed there and its
 direction scattered back, all such bands of one step and process group in one all_to_all each way. The bias
 correction, the lr step and weight decay are elementwise and run on each rank's local elements.

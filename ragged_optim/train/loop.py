@@ -57,6 +57,12 @@ def shard_model(model: GPT, kind: str, **kwargs) -> GPT:
     return model
 
 
+def _max_over_mean(values) -> float | None:
+    """The busiest rank's figure over the mean (1.0: balanced); None when there is nothing."""
+    mean = sum(values) / len(values) if values else 0
+    return max(values) / mean if mean > 0 else None
+
+
 def _mean_over_ranks(x: torch.Tensor, world_size: int) -> torch.Tensor:
     if world_size > 1:
         dist.all_reduce(x)
@@ -195,6 +201,7 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig, device: str | torch
         },
         "param_bytes_per_rank": [g[0] for g in gathered],
         "optimizer_state_bytes_per_rank": [g[1] for g in gathered],
+        "optimizer_state_max_over_mean": _max_over_mean([g[1] for g in gathered]),
         "losses": losses,
     }
     os.makedirs(out, exist_ok=True)
@@ -361,5 +368,6 @@ def format_summary(s: dict) -> str:
     params, state = s.get("param_bytes_per_rank"), s.get("optimizer_state_bytes_per_rank")
     if params and state:
         per_rank = f"params {', '.join(mib(b) for b in params)}; optimizer state {', '.join(mib(b) for b in state)}"
-        lines.append(f"  per rank: {per_rank}")
+        balance = _max_over_mean(state)
+        lines.append(f"  per rank: {per_rank}" + (f" (max/mean {balance:.2f})" if len(state) > 1 and balance else ""))
     return "\n".join(lines)
