@@ -190,7 +190,7 @@ def _check_ranks_agree(requests: list[tuple], allow_split: bool) -> None:
         if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
             continue
         request = sorted(
-            (tuple(unit.names), sorted((i, s.block, s.period, s.owner_computed) for i, s in specs.items()))
+            (tuple(unit.names), sorted((i, s.block, s.period, s.owner_computed, s.tile_cols) for i, s in specs.items()))
             for unit, specs in entries
         )
         if not same_on_every_rank(repr((request, allow_split)), group, device):
