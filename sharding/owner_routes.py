@@ -30,8 +30,6 @@ def ragged_routes(param: torch.Tensor) -> tuple[list[BlockRoute], list[tuple[int
     return routes, spans
 
 
-
-
 def blocks_over_ranges(spec: BlockSpec, numel: int, ranges: list[tuple[int, int]]):
     """Every block of ``spec`` over given per-rank flat ranges: ``(start, end, pieces, holder)`` each, where
     ``holder`` is the rank with the largest piece. Owners are for the caller to assign (jointly over all params,
