@@ -300,3 +300,42 @@ def test_matrix_whole_on_its_owner_is_not_copied():
     before the block API computed owner-held matrices in place it peaked at 7 (a gather copy, a kept result)."""
     for step_peak, ns_peak, matrix in run_on_ranks(_whole_matrix_step_bytes, 2, 256):
         assert step_peak <= matrix + ns_peak + matrix // 4, (step_peak, ns_peak, matrix)
+
+
+def _bounded_exchanges(rank, world_size):
+    """Eight 48x40 matrices in one unit over 3 ranks (most of them cut), one step with each exchange bound: the params,
+    the all_to_all count and the step's exact peak (above the level before it)."""
+    from ragged_optim import alloc_counter
+    from ragged_optim.memory import peak_bytes
+
+    alloc_counter.install()
+    out = {}
+    for limit in (None, 1):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(40, 48, bias=False) if i % 2 == 0 else nn.Linear(48, 40, bias=False)
+                                for i in range(8)])  # fmt: skip
+        fully_shard(model)
+        opt = Muon(model.parameters(), ns_dtype=torch.float32)
+        opt.exchange_max_bytes = limit
+        set_nonfinite_policy(opt, "off")
+        g = torch.Generator().manual_seed(1)
+        for p in model.parameters():
+            set_full_grad(p, torch.randn(*p.shape, generator=g))
+        cut = [opt.has_cut_blocks(p) for p in model.parameters()]
+        opt.step()  # (first step: momentum buffers, routes)
+        with count_collectives() as stats:
+            _, peak = peak_bytes(opt.step)
+        out[limit] = ([full_tensor(p) for p in model.parameters()], stats.calls.get("all_to_all", 0), peak, cut)
+    return out
+
+
+def test_bounded_exchanges_change_no_bit_and_hold_less():
+    # exchange_max_bytes=1: each cut matrix goes through its own exchange (two all_to_alls), one update alive at a
+    # time instead of all of them with their gathered blocks; Newton-Schulz sees the same matrices, so the same bits.
+    runs = run_on_ranks(_bounded_exchanges, 3)
+    for got in runs:
+        (p_all, calls_all, _, cut), (p_one, calls_one, _, _) = got[None], got[1]
+        assert sum(cut) >= 2 and calls_all == 2 and calls_one == 2 * sum(cut), (cut, calls_all, calls_one)
+        assert all(torch.equal(a, b) for a, b in zip(p_all, p_one))
+    peaks = {limit: max(got[limit][2] for got in runs) for limit in (None, 1)}  # (the highest rank's, as bench memory)
+    assert peaks[1] < peaks[None], peaks

@@ -598,6 +598,18 @@ class BlockOptimizer(torch.optim.Optimizer):
         group = process_group(p)
         return group is not None and bool(self._routing(group).routed.get(id(p)))
 
+    def routed_numel_by_owner(self, p: Tensor) -> dict[tuple[int, int], int]:
+        """Elements of ``p``'s cut blocks per owner, keyed ``(id(process group), owner rank)``: what
+        :meth:`map_blocks` gathers to each owner for ``p``. The same answer on every rank (routes are global)."""
+        group = process_group(p)
+        out: dict[tuple[int, int], int] = {}
+        if group is None:
+            return out
+        for s, e, route in self._routing(group).routed.get(id(p), ()):
+            key = (id(group), route.owner)
+            out[key] = out.get(key, 0) + (e - s)
+        return out
+
     def map_blocks(
         self,
         fn: Callable[[list[Block]], list[Tensor]],

@@ -272,12 +272,21 @@ class Muon(RaggedOptimizer):
     #: default): False, except that whole small matrices on a CPU share batches of up to 8 where that is faster and
     #: exactly the per-matrix result (:func:`~ragged_optim.kernels.newton_schulz.batched_is_exact`): the same bits.
     ns_batched_matmul: bool | None = None
+    #: The most bytes of cut blocks (the matrices a rank boundary cuts, in the update's dtype) that one exchange
+    #: gathers to any one owner rank, orthogonalizes and scatters back. The params with cut blocks go through
+    #: exchanges that stay under it on every owner (a param over it goes alone), so the updates, gathered blocks
+    #: and results alive at once during a step are bounded whatever the model's size; two all_to_alls per exchange.
+    #: Counted from the routes, which every rank knows alike: every rank cuts a step into the same exchanges. None:
+    #: one exchange for all of a step's cut params (all alive at once). Not applied with ``ns_batched_matmul=True``,
+    #: which asks every update to wait for its batch.
+    exchange_max_bytes: int | None = 8 << 20
     _settings_attrs = (
         *RaggedOptimizer._settings_attrs,
         "wire_dtype",
         "ns_matmul",
         "foreach",
         "ns_batched_matmul",
+        "exchange_max_bytes",
         "_split_by_shape",
     )
 
@@ -581,6 +590,7 @@ class Muon(RaggedOptimizer):
         if skip:
             return loss
         items: list[MuonItem] = []
+        self._exchange_numel: dict = {}  # per owner: the elements of the cut blocks waiting in ``items``
         cls = type(self)
         # a subclass that replaced a phase sees every param go through it
         whole_ok = all(getattr(cls, m) is getattr(Muon, m) for m in _PHASE_BC_METHODS)
@@ -638,6 +648,7 @@ class Muon(RaggedOptimizer):
         for p, update in zip(params, updates):
             item = MuonItem(p, update, group)
             if self.ns_batched_matmul or self.has_cut_blocks(p):
+                self._make_room_for(item, items)
                 _decay_(p, decay)
                 items.append(item)
             elif small.add(p, update, group, ns_kw, lr, decay):
@@ -646,6 +657,21 @@ class Muon(RaggedOptimizer):
                 # its matrices are all on their holders: done now, so one update is alive at a time
                 _decay_(p, decay)
                 self._finish_muon_items([item])
+
+    def _make_room_for(self, item: MuonItem, items: list[MuonItem]) -> None:
+        """Finish the cut params waiting in ``items`` (one exchange) when ``item``'s blocks would take some owner past
+        :attr:`exchange_max_bytes`. Each matrix is orthogonalized alone either way: the same bits."""
+        limit = self.exchange_max_bytes
+        if limit is None or self.ns_batched_matmul:
+            return
+        size = item.update.element_size()
+        new = self.routed_numel_by_owner(item.param)
+        if items and any((self._exchange_numel.get(k, 0) + n) * size > limit for k, n in new.items()):
+            self._finish_muon_items(items)
+            items.clear()
+            self._exchange_numel = {}
+        for k, n in new.items():
+            self._exchange_numel[k] = self._exchange_numel.get(k, 0) + n
 
     def _local_muon_updates(self, params: list[Tensor], grads: list[Tensor], group: dict[str, Any], lr: float):
         """Phase (a) of :meth:`_local_muon_update` for all of a group's params: the in-place parts (momentum, weight
