@@ -32,22 +32,137 @@ def _copied(dst: torch.Tensor, src: torch.Tensor, async_op: bool):
     return _Completed() if async_op else None
 
 
-def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group=None, async_op: bool = False):
-    """Gather each rank's ``shard`` (S elements) into ``output`` (W*S elements, rank order), in place."""
+def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group=None, async_op: bool = False, p2p: bool = False):
+    """Gather each rank's ``shard`` (S elements) into ``output`` (W*S elements, rank order), in place. ``p2p``: as
+    point-to-point messages where :func:`p2p_serves` (no whole-output buffer of the backend's)."""
     if _alone(group):
         return _copied(output, shard, async_op)
+    if p2p and p2p_serves(group, output.device):
+        return all_gather_p2p(output, shard, group, async_op)
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return fn(output, shard, group=group, async_op=async_op)
 
 
 def reduce_scatter_flat(
-    shard_out: torch.Tensor, full: torch.Tensor, group=None, async_op: bool = False, op=dist.ReduceOp.SUM
+    shard_out: torch.Tensor,
+    full: torch.Tensor,
+    group=None,
+    async_op: bool = False,
+    op=dist.ReduceOp.SUM,
+    p2p: bool = False,
 ):
-    """Reduce ``full`` (W*S elements) across ranks (a sum by default) into this rank's S-element ``shard_out``."""
+    """Reduce ``full`` (W*S elements) across ranks (a sum by default) into this rank's S-element ``shard_out``.
+    ``p2p``: a sum as point-to-point messages where :func:`p2p_serves` (no copy of ``full``; done on return)."""
     if _alone(group):  # sum, average, min or max of one contribution: itself
         return _copied(shard_out, full, async_op)
+    if p2p and op == dist.ReduceOp.SUM and p2p_serves(group, full.device):
+        return reduce_scatter_p2p(shard_out, full, group, async_op)
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return fn(shard_out, full, op=op, group=group, async_op=async_op)
+
+
+#: Tags of the point-to-point messages below: an all-gather in flight (a prefetch) never takes a reduce-scatter's.
+_GATHER_TAG, _REDUCE_TAG = 0x5241, 0x5252
+
+
+def p2p_serves(group, device: torch.device) -> bool:
+    """Whether :func:`all_gather_p2p` / :func:`reduce_scatter_p2p` apply: CPU tensors on a gloo group of several
+    ranks. gloo's own all-gather gathers into a new buffer of the whole output and copies it out, and its
+    reduce-scatter all-reduces a copy of the whole input: a unit's bytes more, alive until its worker thread
+    picks up its next work. NCCL works in place: its collectives stay."""
+    if not dist.is_initialized() or torch.device(device).type != "cpu" or dist.get_world_size(group) == 1:
+        return False
+    return "gloo" in str(dist.get_backend(group)).lower()
+
+
+class _Works:
+    """One handle for several point-to-point works."""
+
+    def __init__(self, works: list):
+        self.works = works
+
+    def wait(self, timeout=None) -> bool:
+        for w in self.works:
+            w.wait()
+        self.works = []
+        return True
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+
+def all_gather_p2p(output: torch.Tensor, shard: torch.Tensor, group=None, async_op: bool = False):
+    """:func:`all_gather_flat` as point-to-point messages straight into ``output``'s slices: this rank's ``shard``
+    to each other rank, each other rank's into its slice (W-1 sends and receives, all posted at once). No buffer
+    besides ``output``. Counted by ``count_collectives`` as one all-gather (its output's bytes)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    n = shard.numel()
+    with torch.no_grad():
+        mine = output[rank * n : (rank + 1) * n]
+        if mine.data_ptr() != shard.data_ptr():
+            mine.copy_(shard.reshape(-1))
+    works = []
+    for step in range(1, world):
+        dst, src = (rank + step) % world, (rank - step) % world
+        works.append(dist.isend(shard, group=group, group_dst=dst, tag=_GATHER_TAG))
+        works.append(dist.irecv(output[src * n : (src + 1) * n], group=group, group_src=src, tag=_GATHER_TAG))
+    handle = _Works(works)
+    if async_op:
+        return handle
+    handle.wait()
+    return None
+
+
+def reduce_scatter_p2p(shard_out: torch.Tensor, full: torch.Tensor, group=None, async_op: bool = False):
+    """:func:`reduce_scatter_flat` (a sum) as point-to-point messages: slice k of ``full`` goes to rank k as it is
+    (no copy), and this rank adds the W slices it gets into ``shard_out`` in rank order, each received into one of
+    two buffers of ``shard_out``'s size (the next receive is posted while one is added): the sum is
+    ``((x_0 + x_1) + x_2) + ...`` on every rank, whatever the world size. Done when it returns (``async_op`` gives
+    a completed handle). Counted by ``count_collectives`` as one reduce-scatter (its input's bytes)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    n = shard_out.numel()
+    piece = lambda k: full[k * n : (k + 1) * n]
+    sends = [dist.isend(piece(k), group=group, group_dst=k, tag=_REDUCE_TAG) for k in range(world) if k != rank]
+    others = [k for k in range(world) if k != rank]
+    spares: list[torch.Tensor] = []
+    posted: dict[int, tuple] = {}
+
+    def post(i: int) -> None:  # the receive from others[i], into shard_out (rank 0's) or a free spare
+        if i >= len(others) or others[i] in posted:
+            return
+        k = others[i]
+        if k == 0:
+            buf = shard_out
+        else:
+            busy = {id(b) for b, _ in posted.values()}
+            buf = next((b for b in spares if id(b) not in busy), None)
+            if buf is None:
+                buf = torch.empty_like(shard_out)
+                spares.append(buf)
+        posted[k] = (buf, dist.irecv(buf, group=group, group_src=k, tag=_REDUCE_TAG))
+
+    post(0)
+    post(1)
+    with torch.no_grad():
+        for k in range(world):
+            if k == rank:
+                got = piece(k)
+            else:
+                got, work = posted[k]
+                work.wait()
+            if k == 0:
+                if got.data_ptr() != shard_out.data_ptr():
+                    shard_out.copy_(got)
+            else:
+                shard_out.add_(got)
+            if k != rank:
+                del posted[k]
+                i = others.index(k)
+                post(i + 1)
+                post(i + 2)
+    for w in sends:
+        w.wait()
+    return _Completed() if async_op else None
 
 
 def all_to_all_flat(output: torch.Tensor, input: torch.Tensor, out_splits, in_splits, group=None):

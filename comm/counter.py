@@ -29,6 +29,8 @@ _COUNTED = {
     "all_to_all": ("all_to_all", 1),  # list forms: the input list's bytes
     "reduce_scatter": ("reduce_scatter", 1),
 }
+# Our collectives built from point-to-point messages (comm/collectives.py), counted as the collective they are.
+_POINT_TO_POINT = {"all_gather_p2p": ("all_gather", 0), "reduce_scatter_p2p": ("reduce_scatter", 1)}
 _INPUT_NAMES = {
     0: ("output_tensor", "output", "tensor", "tensor_list"),
     1: ("input_tensor", "input", "tensor", "input_tensor_list", "input_list"),
@@ -113,7 +115,10 @@ def count_collectives():
 
     import torch.distributed._functional_collectives as funcol
 
+    from ragged_optim.comm import collectives
+
     targets = [(dist, name, kind, idx) for name, (kind, idx) in _COUNTED.items()]
+    targets += [(collectives, name, kind, idx) for name, (kind, idx) in _POINT_TO_POINT.items()]
     targets += [(funcol, name, kind, None if res else 0) for name, (kind, res) in _FUNCTIONAL.items()]
     for module, name, kind, idx in targets:
         fn = getattr(module, name, None)

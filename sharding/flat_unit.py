@@ -446,7 +446,7 @@ class FlatUnit:
                 after = s.copy_in_stream
             work, event = s.issue(
                 s.all_gather_stream,
-                lambda: all_gather_flat(self.unsharded, src, group=self.group, async_op=True),
+                lambda: all_gather_flat(self.unsharded, src, group=self.group, async_op=True, p2p=not s.enabled),
                 after=after,
             )
         self.pending_gather = (work, src, version, event)
@@ -583,7 +583,7 @@ class FlatUnit:
             def reduce():
                 if pre != 1.0:
                     full.div_(pre)
-                work = reduce_scatter_flat(out, full, group=self.group, async_op=True, op=op)
+                work = reduce_scatter_flat(out, full, group=self.group, async_op=True, op=op, p2p=not s.enabled)
                 if not s.enabled or self.replicate_group is None:
                     return work
                 work.wait()

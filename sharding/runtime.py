@@ -39,6 +39,9 @@ from ragged_optim.sharding.streams import CommStreams
 
 # Reduce-scatters whose input buffers may be alive at once (FSDP2 keeps one, too).
 MAX_REDUCES_IN_FLIGHT = 1
+#: Without side streams (a CPU), issue the backward prefetch at the running unit's post-backward, not its
+#: pre-backward (see ModuleState.pre_backward).
+PREFETCH_AT_POST_BACKWARD_WITHOUT_STREAMS = True
 
 
 class TrainingState(enum.Enum):
@@ -116,6 +119,7 @@ class RootContext:
             for u in s.units:
                 u.reset_iteration()
             s.training_state = TrainingState.IDLE
+            s.prefetch_after_backward = []
         self.reduces_in_flight.clear()
         self._clear_post_forward_order()
         self.callback_queued = False
@@ -148,6 +152,8 @@ class RootContext:
             self.reduces_in_flight.popleft().finish_reduce_grads()
 
     def _final_callback(self) -> None:
+        for s in self.states:  # the backward is over: nothing is gathered for it any more
+            s.prefetch_after_backward = []
         for s in self.states:  # units whose inputs needed no grad: their post-backward runs here, in a fixed order
             if s.training_state != TrainingState.IDLE or s.post_forward_indices or s.has_grads_to_sync():
                 s.post_backward(last=True)
@@ -179,6 +185,7 @@ class ModuleState:
         self.is_root: bool | None = None  # fixed at lazy init: the first module to run forward is the root
         self.training_state = TrainingState.IDLE
         self.post_forward_indices: list[int] = []
+        self.prefetch_after_backward: list[ModuleState] = []  # the backward prefetch, issued at post-backward
         # (param name here, weakref to the module whose fully_shard took the other side, its name there): ties to a
         # param sharded by a call outside this module, refused by a later call that encloses both (fully_shard.py)
         self.ties_outside: list[tuple] = []
@@ -302,6 +309,15 @@ class ModuleState:
                 ahead = [ctx.post_forward_order[i - 1]]
         if self.backward_prefetch is not None:
             ahead = self.backward_prefetch
+        elif PREFETCH_AT_POST_BACKWARD_WITHOUT_STREAMS and not (ctx.streams is not None and ctx.streams.enabled):
+            # Without side streams (a CPU) the next unit is gathered once this one's grads are reduced: a prefetch
+            # here held a third unit (the next one's params) through this unit's backward, beside its params and
+            # grads, for an overlap that gloo's threads, on the cores the backward computes on, barely give.
+            self.prefetch_after_backward, ahead = ahead, []
+        self._prefetch(ahead)
+
+    @staticmethod
+    def _prefetch(ahead) -> None:
         for nxt in ahead:
             if nxt.training_state != TrainingState.PRE_BACKWARD:
                 for u in nxt.units:
@@ -331,6 +347,9 @@ class ModuleState:
                 self.ctx.make_room_for_reduce()
             if not defer and u.post_backward_grads():
                 self.ctx.track_reduce(u)
+        ahead, self.prefetch_after_backward = self.prefetch_after_backward, []
+        # (only units whose backward has not started: the root's post-backward comes last, after every other's)
+        self._prefetch([s for s in ahead if s.training_state == TrainingState.IDLE])
 
 
 class _PostBackward(torch.autograd.Function):

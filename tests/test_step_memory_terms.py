@@ -1,0 +1,147 @@
+"""The bytes our runtime holds at named points of a training step's backward, term by term, counted exactly
+(ragged_optim.alloc_counter) and computed from the units' layouts (issue 39). The model saves no activation for
+backward (each block adds ``linear(c, w).sum(0)`` to its input: the linear saves only the buffer ``c`` and the
+gathered ``w``, which exist anyway), so every byte at these points is a param, a grad or a runtime buffer.
+
+Per block unit k, in backward order, with U_k its unsharded bytes (W*S_k elements), S_k its shard's and G_k its
+params' grads as autograd makes them:
+
+- its pre-backward allocates U_k when it gathers the unit itself (the first block in backward order) and nothing
+  otherwise (its gather was issued at the previous unit's post-backward), with no temporary (the all-gather
+  writes straight into the unsharded buffer);
+- its post-backward frees the params (U_k) and autograd's grads (G_k), keeps the reduced shard (S_k) and gathers
+  the next unit (U_{k+1}); at no moment of it is more alive than at its start, beyond a reduce-scatter receive
+  buffer of S_k where it exceeds what it frees;
+- the backward's peak is the end of some unit's backward: the shards reduced before it, its params and its grads.
+
+On 212c331 the pre-backward prefetched the next unit there and gloo's all-gather held a copy of the whole output,
+and its reduce-scatter all-reduced a copy of the whole unit: these figures were a unit or more higher.
+"""
+
+import gc
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import ragged_optim as ro
+from ragged_optim import alloc_counter
+from ragged_optim.comm.launch import run_on_ranks
+from ragged_optim.memory import settle
+from ragged_optim.sharding import units_of
+from ragged_optim.sharding.runtime import ModuleState
+
+WIDTH, BLOCKS = 64, 3
+
+
+@pytest.fixture(scope="module", autouse=True)
+def counter():
+    alloc_counter.install()  # built once; the forked ranks inherit it installed
+
+
+class Block(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(width, width) / width**0.5)
+        self.register_buffer("c", torch.randn(1, width))
+
+    def forward(self, x):
+        return x + F.linear(self.c, self.w).sum(0)
+
+
+class Chain(nn.Module):
+    def __init__(self, width=WIDTH, blocks=BLOCKS):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(blocks))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def _recorded(points):
+    """Wrap ModuleState's pre- and post-backward: per call, (name, state, level before, level after, peak within)."""
+    real = {"pre": ModuleState.pre_backward, "post": ModuleState.post_backward}
+
+    def wrap(name):
+        def call(self, *a, **kw):
+            before = alloc_counter.current()
+            outer = alloc_counter.reset_peak()
+            try:
+                return real[name](self, *a, **kw)
+            finally:
+                peak = alloc_counter.stats().peak
+                alloc_counter.restore_peak(outer)
+                points.append((name, self, before, alloc_counter.current(), peak))
+
+        return call
+
+    ModuleState.pre_backward, ModuleState.post_backward = wrap("pre"), wrap("post")
+    return real
+
+
+def _step_points(rank, world_size):
+    model = Chain()
+    for b in model.blocks:
+        ro.fully_shard(b)
+    ro.fully_shard(model)
+    x = torch.randn(WIDTH, requires_grad=True)
+    model(x).sum().backward()  # a first step: lazy init
+    for p in [*model.parameters(), x]:
+        p.grad = None
+    gc.collect()
+    settle()
+    points = []
+    loss = model(x).sum()
+    real = _recorded(points)
+    try:
+        start = alloc_counter.current()
+        outer = alloc_counter.reset_peak()
+        loss.backward()
+        peak = alloc_counter.stats().peak
+        alloc_counter.restore_peak(outer)
+    finally:
+        ModuleState.pre_backward, ModuleState.post_backward = real["pre"], real["post"]
+    blocks = list(model.blocks)
+    sizes = []
+    for b in model.blocks:
+        (u,) = [u for u in units_of(model) if u.module is b]
+        sizes.append((u.layout.total_size * 4, u.layout.shard_size * 4, sum(4 * p.numel() for p in b.parameters())))
+    rows = [(name, blocks.index(s.module) if s.module is not model else None, before - start, after - start,
+             pk - start) for name, s, before, after, pk in points]  # fmt: skip
+    return {"rows": rows, "sizes": sizes, "peak": peak - start}
+
+
+def test_backward_bytes_term_by_term():
+    for got in run_on_ranks(_step_points, 2):
+        U, S, G = zip(*got["sizes"])  # per block: unsharded, shard, autograd's grads (bytes)
+        rows = got["rows"]
+        # the loss's grad (one fp32 scalar, made by backward()) is alive at every point below
+        eps = rows[0][2]
+        assert eps == 4, rows
+        pre = {k: r for r in rows if r[0] == "pre" and (k := r[1]) is not None}
+        post = {}
+        for r in rows:  # (the end-of-backward callback calls post-backward again: nothing left to do there)
+            if r[0] == "post" and r[1] is not None:
+                post.setdefault(r[1], r)
+        order = [r[1] for r in rows if r[0] == "pre" and r[1] is not None]
+        assert order == list(range(BLOCKS))[::-1], rows
+        reduced = 0  # bytes of the shards reduced so far
+        for i, k in enumerate(order):
+            _, _, before, after, peak = pre[k]
+            gathered = U[k] if i == 0 else 0  # later units were gathered at the previous post-backward
+            assert (after - before, peak - before) == (gathered, gathered), (k, pre[k])
+            _, _, entry, exit_, peak = post[k]
+            assert entry == eps + reduced + U[k] + G[k], (k, post[k], rows)
+            reduced += S[k]
+            following = U[order[i + 1]] if i + 1 < len(order) else 0
+            assert exit_ == eps + reduced + following, (k, post[k], rows)
+            assert peak == entry, (k, post[k])  # nothing in the post-backward outlives what it frees
+        # The backward's peak: the end of the last unit's backward (every other shard reduced, its params, its
+        # grads), plus one WIDTH-vector of fp32 that autograd makes for a moment there (the linear's output grad,
+        # an expanded vector made contiguous for the matmul).
+        last = order[-1]
+        assert got["peak"] == eps + sum(S) - S[last] + U[last] + G[last] + 4 * WIDTH, got
