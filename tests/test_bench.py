@@ -275,8 +275,10 @@ def test_memory_bench_keys_and_what_it_counts():
     peak is the exact count's (profiler figures beside it), with the phase it fell in and the sites live then."""
     from ragged_optim.bench.memory import CONFIGS, PHASES, run
 
-    r = run(world_size=2, preset="tiny", configs=("adamw",))
+    r = run(world_size=2, preset="tiny", also_presets=("small",), configs=("adamw",))
     assert_keys_documented("memory", r)
+    assert r["small"]["preset"] == "small" and r["small"]["params"] > r["params"]
+    assert r["peak_ratio_vs_fsdp2_adamw_small"] == r["small"]["peak_ratio_vs_fsdp2_adamw"] > 0
     assert CONFIGS == ("adamw", "muon", "adamw_ac")
     for key in ("ours_peak_bytes_adamw", "fsdp2_peak_bytes_adamw", "peak_ratio_vs_fsdp2_adamw", "init_peak_bytes"):
         assert r[key] > 0, key

@@ -248,6 +248,7 @@ def run(
     steps: int | None = None,
     *,
     preset: str = "bench50m",
+    also_presets: tuple[str, ...] = ("bench20m",),
     batch_size: int | None = None,
     seq_len: int | None = 32,
     configs: tuple[str, ...] = CONFIGS,
@@ -258,9 +259,22 @@ def run(
 ) -> dict:
     """Peak bytes per rank (max over ranks) for each configuration; ``steps`` is ignored (always two). The 54M
     GPT at ``seq_len`` 32 and one row per rank keeps the run in minutes on 2 CPU cores: what differs between the
-    two sides is params, grads and state in flight, not activations. ``stacks``: sites name Python lines (the
-    profile records stacks; slower)."""
+    two sides is params, grads and state in flight, not activations. ``also_presets``: GPTs measured the same way
+    after ``preset``, each under its name (every key) and as ``peak_ratio_vs_fsdp2_<config>_<preset>``. ``stacks``:
+    sites name Python lines (the profile records stacks; slower)."""
     del steps
+    out = _run_preset(world_size, preset, batch_size, seq_len, configs, timeout_s, device, stacks, **overrides)
+    for other in also_presets:
+        if other == preset:
+            continue
+        sub = _run_preset(world_size, other, batch_size, seq_len, configs, timeout_s, device, stacks, **overrides)
+        out[other] = sub
+        for kind in configs:
+            out[f"peak_ratio_vs_fsdp2_{kind}_{other}"] = sub[f"peak_ratio_vs_fsdp2_{kind}"]
+    return out
+
+
+def _run_preset(world_size, preset, batch_size, seq_len, configs, timeout_s, device, stacks, **overrides) -> dict:
     if seq_len is not None:
         overrides["seq_len"] = seq_len
     cfg = get_config(preset, **overrides)
