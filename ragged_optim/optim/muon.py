@@ -276,10 +276,13 @@ class Muon(RaggedOptimizer):
     #: gathers to any one owner rank, orthogonalizes and scatters back. The params with cut blocks go through
     #: exchanges that stay under it on every owner (a param over it goes alone), so the updates, gathered blocks
     #: and results alive at once during a step are bounded whatever the model's size; two all_to_alls per exchange.
-    #: Counted from the routes, which every rank knows alike: every rank cuts a step into the same exchanges. None:
-    #: one exchange for all of a step's cut params (all alive at once). Not applied with ``ns_batched_matmul=True``,
-    #: which asks every update to wait for its batch.
-    exchange_max_bytes: int | None = 8 << 20
+    #: Counted from the routes, which every rank knows alike: every rank cuts a step into the same exchanges.
+    #: ``"auto"`` (default): half the unsharded bytes of the largest ``fully_shard`` unit holding a cut param (what
+    #: the step may hold without passing the backward's peak, which holds a unit's params and grads: measured on
+    #: bench20m, 2 MiB kept the step under the backward, 8 MiB did not), 8 MiB for params of no such unit (FSDP2
+    #: DTensors). None: one exchange for all of a step's cut params (all alive at once). Not applied with
+    #: ``ns_batched_matmul=True``, which asks every update to wait for its batch.
+    exchange_max_bytes: int | str | None = "auto"
     _settings_attrs = (
         *RaggedOptimizer._settings_attrs,
         "wire_dtype",
@@ -353,6 +356,7 @@ class Muon(RaggedOptimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group; a group without ``use_muon`` is split by ``ndim`` into a Muon and an AdamW group (an empty
         matrix goes to the AdamW one). A group refused (either half) leaves the optimizer as it was."""
+        self._auto_exchange = None  # (exchange_max_bytes="auto" looks at the params again)
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, but got {type(param_group)}")
         entries = param_group["params"]
@@ -664,6 +668,8 @@ class Muon(RaggedOptimizer):
         limit = self.exchange_max_bytes
         if limit is None or self.ns_batched_matmul:
             return
+        if limit == "auto":
+            limit = self._auto_exchange_bytes()
         size = item.update.element_size()
         new = self.routed_numel_by_owner(item.param)
         if items and any((self._exchange_numel.get(k, 0) + n) * size > limit for k, n in new.items()):
@@ -672,6 +678,20 @@ class Muon(RaggedOptimizer):
             self._exchange_numel = {}
         for k, n in new.items():
             self._exchange_numel[k] = self._exchange_numel.get(k, 0) + n
+
+    def _auto_exchange_bytes(self) -> int:
+        """``exchange_max_bytes="auto"``: half the largest unit (unsharded bytes) that holds a cut param of this
+        optimizer, 8 MiB when none does; the same on every rank (units and routes are)."""
+        cached = getattr(self, "_auto_exchange", None)
+        if cached is None:
+            units = {}
+            for g in self.param_groups:
+                for p in g["params"]:
+                    info = shard_info(p)
+                    if info is not None and g.get("use_muon") and self.has_cut_blocks(p):
+                        units[id(info.unit)] = info.unit.layout.total_size * info.unit.local_shard.element_size()
+            cached = self._auto_exchange = max(units.values()) // 2 if units else 8 << 20
+        return cached
 
     def _local_muon_updates(self, params: list[Tensor], grads: list[Tensor], group: dict[str, Any], lr: float):
         """Phase (a) of :meth:`_local_muon_update` for all of a group's params: the in-place parts (momentum, weight
