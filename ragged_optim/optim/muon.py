@@ -277,11 +277,12 @@ class Muon(RaggedOptimizer):
     #: exchanges that stay under it on every owner (a param over it goes alone), so the updates, gathered blocks
     #: and results alive at once during a step are bounded whatever the model's size; two all_to_alls per exchange.
     #: Counted from the routes, which every rank knows alike: every rank cuts a step into the same exchanges.
-    #: ``"auto"`` (default): half the unsharded bytes of the largest ``fully_shard`` unit holding a cut param (what
-    #: the step may hold without passing the backward's peak, which holds a unit's params and grads: measured on
-    #: bench20m, 2 MiB kept the step under the backward, 8 MiB did not), 8 MiB for params of no such unit (FSDP2
-    #: DTensors). None: one exchange for all of a step's cut params (all alive at once). Not applied with
-    #: ``ns_batched_matmul=True``, which asks every update to wait for its batch.
+    #: ``"auto"`` (default): half the unsharded bytes of the largest ``fully_shard`` unit holding a cut param, at
+    #: least 2 MiB (what the step may hold without passing the backward's peak, which holds a unit's params and
+    #: grads: on bench20m 2 MiB and half a unit kept the step under the backward, 8 MiB did not; the floor keeps a
+    #: small model's step one exchange), 8 MiB for params of no such unit (FSDP2 DTensors). None: one exchange for
+    #: all of a step's cut params (all alive at once). Not applied with ``ns_batched_matmul=True``, which asks every
+    #: update to wait for its batch.
     exchange_max_bytes: int | str | None = "auto"
     _settings_attrs = (
         *RaggedOptimizer._settings_attrs,
@@ -681,7 +682,8 @@ class Muon(RaggedOptimizer):
 
     def _auto_exchange_bytes(self) -> int:
         """``exchange_max_bytes="auto"``: half the largest unit (unsharded bytes) that holds a cut param of this
-        optimizer, 8 MiB when none does; the same on every rank (units and routes are)."""
+        optimizer, at least 2 MiB (a small model's step stays one exchange), 8 MiB when no unit holds one; the same
+        on every rank (units and routes are)."""
         cached = getattr(self, "_auto_exchange", None)
         if cached is None:
             units = {}
@@ -690,7 +692,7 @@ class Muon(RaggedOptimizer):
                     info = shard_info(p)
                     if info is not None and g.get("use_muon") and self.has_cut_blocks(p):
                         units[id(info.unit)] = info.unit.layout.total_size * info.unit.local_shard.element_size()
-            cached = self._auto_exchange = max(units.values()) // 2 if units else 8 << 20
+            cached = self._auto_exchange = max(max(units.values()) // 2, 2 << 20) if units else 8 << 20
         return cached
 
     def _local_muon_updates(self, params: list[Tensor], grads: list[Tensor], group: dict[str, Any], lr: float):
