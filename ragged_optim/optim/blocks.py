@@ -605,9 +605,9 @@ class BlockOptimizer(torch.optim.Optimizer):
         out: dict[tuple[int, int], int] = {}
         if group is None:
             return out
-        for s, e, route in self._routing(group).routed.get(id(p), ()):
+        for _, _, route in self._routing(group).routed.get(id(p), ()):
             key = (id(group), route.owner)
-            out[key] = out.get(key, 0) + (e - s)
+            out[key] = out.get(key, 0) + route.numel
         return out
 
     def map_blocks(
