@@ -360,10 +360,22 @@ def _llama_run(rank, world):
     return out
 
 
-def test_tiny_llama_with_a_tensor_parallel_plan_and_activation_checkpointing():
+def test_tiny_llama_with_a_tensor_parallel_plan_and_activation_checkpointing_under_torchrun(tmp_path):
     """A transformers LlamaForCausalLM with torch's TP plan (q/k/v/gate/up column-wise, o/down row-wise) on each
-    decoder layer, activation checkpointing on, then an eval forward. On main: fully_shard refuses the TP params."""
-    for got in run_on_ranks(_llama_run, 4):
+    decoder layer, activation checkpointing on, then an eval forward, under ``torchrun --nproc-per-node 4`` as
+    users launch it. On main: fully_shard refuses the TP params."""
+    import subprocess
+    import sys
+
+    from ragged_optim.comm.launch import free_port
+
+    job = os.path.join(os.path.dirname(__file__), "tp_llama_torchrun_job.py")
+    out = str(tmp_path / "got")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(free_port())]
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(__file__), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([*cmd, job, out], env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for got in (torch.load(f"{out}.{rank}") for rank in range(4)):
         (single, single_logits), (fsdp2, fsdp2_logits), (ours, ours_logits) = got["single"], got["torch"], got["ours"]
         ulp = torch.finfo(torch.float32).eps * max(float(p.abs().max()) for p in single)
         assert _distance(ours, single) <= 4 * _distance(fsdp2, single) + 4 * ulp
