@@ -277,6 +277,12 @@ def _bad_inputs(rank, world):
         ro.fully_shard(block, mesh=dp_mesh)
         parallelize_module(block, mesh["tp"], PLAN)
 
+    def torch_then_ours():
+        block = Block()
+        torch_fully_shard(block, mesh=dp_mesh)
+        ro.fully_shard(block, mesh=dp_mesh)
+
+    attempt("torch then ours", torch_then_ours)
     attempt("no mesh", no_mesh)
     attempt("same dim", same_dim)
     attempt("our optimizer", our_optimizer)
@@ -289,6 +295,7 @@ def test_tensor_parallel_bad_input_says_what_to_do():
     errors = run_on_ranks(_bad_inputs, 4)[0]
     assert "'up.weight' is a tensor-parallel DTensor" in errors["no mesh"] and "mesh['dp']" in errors["no mesh"]
     assert "not another dim of the fully_shard mesh" in errors["same dim"]
+    assert "'up.weight' is already sharded by torch's fully_shard" in errors["torch then ours"]
     assert "Muon: param 'up.weight'" in errors["our optimizer"] and "torch.optim" in errors["our optimizer"]
     # TP after fully_shard: torch's distribute_tensor refuses our DTensor params before changing anything (its own
     # message, which our code cannot reword: it runs before any op reaches the params)
