@@ -34,24 +34,14 @@ def _train(rank, world, kind: str, efficient_loading: bool, folder: str):
     import torch.distributed.fsdp as torch_fsdp
     from accelerate import Accelerator
     from accelerate.utils import FullyShardedDataParallelPlugin
+    from fsdp_models import tiny_llama
     from torch.distributed.fsdp import FSDPModule
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     import ragged_optim as ro
 
     if kind == "ours":
         torch_fsdp.fully_shard = ro.fully_shard  # what a user does to use ours inside accelerate
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-    )
-    model = LlamaForCausalLM(config)
+    model = tiny_llama(0, vocab_size=64, intermediate_size=48, max_position_embeddings=32)
     plugin = FullyShardedDataParallelPlugin(
         fsdp_version=2,
         auto_wrap_policy="transformer_based_wrap",

@@ -314,20 +314,9 @@ LLAMA_TP_PLAN = {
 
 
 def _llama(kind: str, mesh):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from fsdp_models import tiny_llama
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-        attn_implementation="sdpa",
-    )
-    model = LlamaForCausalLM(config)
+    model = tiny_llama(0, vocab_size=64, intermediate_size=48, max_position_embeddings=32, attn_implementation="sdpa")
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if kind == "single":
         return model
