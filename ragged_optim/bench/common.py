@@ -27,6 +27,58 @@ def timed(fn: Callable[..., object], *args, group=None) -> float:
     return time.perf_counter() - t0
 
 
+def train_step(model, opt, x, y, opt_times=None) -> None:
+    """One training step; ``opt.step()``'s own seconds appended to ``opt_times`` when given."""
+    model(x, y).backward()
+    t0 = time.perf_counter()
+    opt.step()
+    if opt_times is not None:
+        opt_times.append(time.perf_counter() - t0)
+    opt.zero_grad(set_to_none=True)
+
+
+def alternate_sides(sides: dict, batches) -> dict:
+    """Train ``sides`` (``{"ours": (model, opt), "fsdp2": (model, opt)}``) side by side on ``batches``: step k runs
+    ours then FSDP2 for even k, FSDP2 then ours for odd k, so drifting machine load hits both alike. Step 0 is a
+    warmup, step 1 is counted (``count_collectives``), the rest are timed (a barrier on each side). Returns the
+    figures by the keys ``bench fsdp`` and ``bench tp`` share (docs/benchmarks.md)."""
+    from ragged_optim.comm.counter import count_collectives
+
+    times, opt_times, counts = {k: [] for k in sides}, {k: [] for k in sides}, {}
+    for s, (x, y) in enumerate(batches):
+        for name in ["ours", "fsdp2"] if s % 2 == 0 else ["fsdp2", "ours"]:
+            model, opt = sides[name]
+            if s == 1:
+                with count_collectives() as stats:
+                    train_step(model, opt, x, y)
+                counts[name] = stats
+            else:
+                t = timed(train_step, model, opt, x, y, opt_times[name] if s >= 2 else None)
+                if s >= 2:
+                    times[name].append(t)
+    out = {}
+    for name in ("ours", "fsdp2"):
+        out[f"{name}_step_s"] = median(times[name])
+        out[f"{name}_step_times_s"] = times[name]
+        out[f"{name}_adamw_step_s"] = median(opt_times[name])
+        out[f"{name}_collectives_per_step"] = counts[name].total_calls
+        out[f"{name}_bytes_per_step"] = counts[name].total_bytes
+        out[f"{name}_comm"] = counts[name].as_dict()
+    return out
+
+
+def single_replay(model, opt, steps: int, ranks: int, batch: Callable) -> dict:
+    """Every step in one process: each of ``ranks`` data-parallel ranks' rows ``batch(step, rank)`` as a
+    micro-batch, so the gradient sum has the same terms as the sharded run's; the params after it, by name."""
+    for s in range(steps):
+        for r in range(ranks):
+            x, y = batch(s, r)
+            (model(x, y) / ranks).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return dict(model.named_parameters())
+
+
 def rank_device() -> torch.device:
     """The device a benchmark rank works on: its GPU under NCCL (``run_on_ranks(device="cuda")``), else the CPU."""
     if serves_cuda() and torch.cuda.is_available():

@@ -12,12 +12,9 @@ ending in ``_ac``; recomputing changes no value, so the one-process replay serve
 
 from __future__ import annotations
 
-import time
-
 import torch
 
-from ragged_optim.bench.common import median, rank_device, timed
-from ragged_optim.comm.counter import count_collectives
+from ragged_optim.bench.common import alternate_sides, median, rank_device, single_replay
 from ragged_optim.comm.launch import run_on_ranks
 from ragged_optim.data import get_batch
 from ragged_optim.models import build_model, get_config, num_params
@@ -25,15 +22,6 @@ from ragged_optim.sharding import full_tensor
 from ragged_optim.train import shard_model
 
 DESCRIPTION = "GPT (bench20m) + AdamW step: ours vs torch FSDP2 (time, collectives, bytes, parity)"
-
-
-def _train_step(model, opt, x, y, opt_times=None):
-    model(x, y).backward()
-    t0 = time.perf_counter()
-    opt.step()  # torch's AdamW on each side's DTensor params: ours dispatch per op in Python, FSDP2's through DTensor
-    if opt_times is not None:
-        opt_times.append(time.perf_counter() - t0)
-    opt.zero_grad(set_to_none=True)
 
 
 def _adamw(model, lr):
@@ -46,26 +34,12 @@ def _measure(rank, world_size, cfg, batches, lr, ac, device="cpu"):
     fsdp2 = shard_model(build_model(cfg, seed=0).to(device), "torch")
     ours.activation_checkpointing = fsdp2.activation_checkpointing = ac
     sides = {"ours": (ours, _adamw(ours, lr)), "fsdp2": (fsdp2, _adamw(fsdp2, lr))}
-    times = {"ours": [], "fsdp2": []}
-    opt_times = {"ours": [], "fsdp2": []}
-    counts = {}
-    for s, (x, y) in enumerate(batches):
-        order = ["ours", "fsdp2"] if s % 2 == 0 else ["fsdp2", "ours"]
-        for name in order:
-            model, opt = sides[name]
-            if s == 1:
-                with count_collectives() as stats:
-                    _train_step(model, opt, x, y)
-                counts[name] = stats
-            else:
-                t = timed(_train_step, model, opt, x, y, opt_times[name] if s >= 2 else None)
-                if s >= 2:
-                    times[name].append(t)
+    figures = alternate_sides(sides, batches)
     full = {
         "ours": {n: full_tensor(p).clone() for n, p in ours.named_parameters()},
         "fsdp2": {n: p.full_tensor().clone() for n, p in fsdp2.named_parameters()},
     }
-    return times, counts, full, opt_times
+    return figures, full
 
 
 def _rank(rank, world_size, cfg, batch_size, steps, lr, compare_single):
@@ -75,39 +49,16 @@ def _rank(rank, world_size, cfg, batch_size, steps, lr, compare_single):
         return tuple(t.to(device) for t in get_batch("train", batch_size, cfg.seq_len, s, r, world_size))
 
     batches = [batch(s, rank) for s in range(steps + 2)]
-    times, counts, full, opt_times = _measure(rank, world_size, cfg, batches, lr, False, device)
-    times_ac, _, full_ac, _ = _measure(rank, world_size, cfg, batches, lr, True, device)
-    out = {
-        "ours_adamw_step_s": median(opt_times["ours"]),
-        "fsdp2_adamw_step_s": median(opt_times["fsdp2"]),
-        "ours_step_s": median(times["ours"]),
-        "fsdp2_step_s": median(times["fsdp2"]),
-        "ours_step_times_s": times["ours"],
-        "fsdp2_step_times_s": times["fsdp2"],
-        "ours_step_s_ac": median(times_ac["ours"]),
-        "fsdp2_step_s_ac": median(times_ac["fsdp2"]),
-        "ours_step_times_s_ac": times_ac["ours"],
-        "fsdp2_step_times_s_ac": times_ac["fsdp2"],
-        "ours_collectives_per_step": counts["ours"].total_calls,
-        "fsdp2_collectives_per_step": counts["fsdp2"].total_calls,
-        "ours_bytes_per_step": counts["ours"].total_bytes,
-        "fsdp2_bytes_per_step": counts["fsdp2"].total_bytes,
-        "ours_comm": counts["ours"].as_dict(),
-        "fsdp2_comm": counts["fsdp2"].as_dict(),
-    }
+    out, full = _measure(rank, world_size, cfg, batches, lr, False, device)
+    with_ac, full_ac = _measure(rank, world_size, cfg, batches, lr, True, device)
+    for key in ("ours_step_s", "fsdp2_step_s", "ours_step_times_s", "fsdp2_step_times_s"):
+        out[f"{key}_ac"] = with_ac[key]
     if rank != 0:
         return out
     if compare_single:
         ref = build_model(cfg, seed=0).to(device)
-        opt = _adamw(ref, lr)
-        for s in range(steps + 2):
-            for r in range(world_size):
-                x, y = batch(s, r)
-                (ref(x, y) / world_size).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        single = single_replay(ref, _adamw(ref, lr), steps + 2, world_size, batch)
         with torch.no_grad():
-            single = dict(ref.named_parameters())
 
             def diff(params):
                 return max((params[n] - single[n]).abs().max().item() for n in single)

@@ -17,12 +17,9 @@ matrices (every block's qkv, attention proj, fc and proj split by torch's TP pla
 
 from __future__ import annotations
 
-import time
-
 import torch
 
-from ragged_optim.bench.common import median, timed
-from ragged_optim.comm.counter import count_collectives
+from ragged_optim.bench.common import alternate_sides, median, single_replay
 from ragged_optim.comm.launch import run_on_ranks
 from ragged_optim.data import get_batch
 from ragged_optim.models import build_model, get_config, num_params
@@ -56,15 +53,6 @@ def _adamw(model, lr):
     return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, foreach=False)
 
 
-def _train_step(model, opt, x, y, opt_times=None):
-    model(x, y).backward()
-    t0 = time.perf_counter()
-    opt.step()
-    if opt_times is not None:
-        opt_times.append(time.perf_counter() - t0)
-    opt.zero_grad(set_to_none=True)
-
-
 def _rank(rank, world_size, cfg, dp, tp, batch_size, steps, lr, compare_single):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -78,44 +66,11 @@ def _rank(rank, world_size, cfg, dp, tp, batch_size, steps, lr, compare_single):
     for kind in ("ours", "fsdp2"):
         model = _shard(build_model(cfg, seed=0), "ours" if kind == "ours" else "torch", mesh)
         sides[kind] = (model, _adamw(model, lr))
-    times, opt_times, counts = {"ours": [], "fsdp2": []}, {"ours": [], "fsdp2": []}, {}
-    for s in range(steps + 2):
-        x, y = batch(s, dp_rank)
-        for kind in ["ours", "fsdp2"] if s % 2 == 0 else ["fsdp2", "ours"]:
-            model, opt = sides[kind]
-            if s == 1:
-                with count_collectives() as stats:
-                    _train_step(model, opt, x, y)
-                counts[kind] = stats
-            else:
-                t = timed(_train_step, model, opt, x, y, opt_times[kind] if s >= 2 else None)
-                if s >= 2:
-                    times[kind].append(t)
+    out = alternate_sides(sides, [batch(s, dp_rank) for s in range(steps + 2)])
     full = {kind: {n: p.full_tensor() for n, p in m.named_parameters()} for kind, (m, _) in sides.items()}
-    out = {
-        "ours_step_s": median(times["ours"]),
-        "fsdp2_step_s": median(times["fsdp2"]),
-        "ours_step_times_s": times["ours"],
-        "fsdp2_step_times_s": times["fsdp2"],
-        "ours_adamw_step_s": median(opt_times["ours"]),
-        "fsdp2_adamw_step_s": median(opt_times["fsdp2"]),
-        "ours_collectives_per_step": counts["ours"].total_calls,
-        "fsdp2_collectives_per_step": counts["fsdp2"].total_calls,
-        "ours_bytes_per_step": counts["ours"].total_bytes,
-        "fsdp2_bytes_per_step": counts["fsdp2"].total_bytes,
-        "ours_comm": counts["ours"].as_dict(),
-        "fsdp2_comm": counts["fsdp2"].as_dict(),
-    }
     if rank == 0 and compare_single:
         ref = build_model(cfg, seed=0)
-        opt = _adamw(ref, lr)
-        for s in range(steps + 2):
-            for r in range(dp):
-                x, y = batch(s, r)
-                (ref(x, y) / dp).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        single = dict(ref.named_parameters())
+        single = single_replay(ref, _adamw(ref, lr), steps + 2, dp, batch)
         with torch.no_grad():
             for kind, key in (
                 ("ours", "param_max_abs_diff_vs_single"),
