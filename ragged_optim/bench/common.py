@@ -56,14 +56,22 @@ def alternate_sides(sides: dict, batches) -> dict:
                 t = timed(train_step, model, opt, x, y, opt_times[name] if s >= 2 else None)
                 if s >= 2:
                     times[name].append(t)
-    out = {}
+    out = comm_figures(counts)
     for name in ("ours", "fsdp2"):
         out[f"{name}_step_s"] = median(times[name])
         out[f"{name}_step_times_s"] = times[name]
         out[f"{name}_adamw_step_s"] = median(opt_times[name])
-        out[f"{name}_collectives_per_step"] = counts[name].total_calls
-        out[f"{name}_bytes_per_step"] = counts[name].total_bytes
-        out[f"{name}_comm"] = counts[name].as_dict()
+    return out
+
+
+def comm_figures(counts: dict) -> dict:
+    """``{side: CommStats}`` of a counted step as the benchmarks report it: ``<side>_collectives_per_step``,
+    ``<side>_bytes_per_step`` and ``<side>_comm`` (calls and bytes per kind)."""
+    out = {}
+    for side, stats in counts.items():
+        out[f"{side}_collectives_per_step"] = stats.total_calls
+        out[f"{side}_bytes_per_step"] = stats.total_bytes
+        out[f"{side}_comm"] = stats.as_dict()
     return out
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ragged_optim.bench.common import median, timed
+from ragged_optim.bench.common import comm_figures, median, timed
 from ragged_optim.comm.counter import count_collectives
 from ragged_optim.train import shard_model
 
@@ -183,12 +183,7 @@ def _rank(rank, world_size, dims, batch_size, steps, ns_dtype, compare_single):
         "ours_opt_step_times_s": times["ours"],
         "torch_opt_step_times_s": times["torch"],
         "torch_status": torch_status,
-        "ours_collectives_per_step": counts["ours"].total_calls,
-        "torch_collectives_per_step": counts["torch"].total_calls,
-        "ours_bytes_per_step": counts["ours"].total_bytes,
-        "torch_bytes_per_step": counts["torch"].total_bytes,
-        "ours_comm": counts["ours"].as_dict(),
-        "torch_comm": counts["torch"].as_dict(),
+        **comm_figures({"ours": counts["ours"], "torch": counts["torch"]}),
         "units_with_muon_params": muon_units,
         "owner_compute_max_over_mean": float(loads.max() / loads.mean()) if loads.sum() > 0 else 1.0,
         "owner_compute_loads": [float(v) for v in np.asarray(loads)],

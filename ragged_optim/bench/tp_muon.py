@@ -21,7 +21,7 @@ import zlib
 import torch
 from torch import nn
 
-from ragged_optim.bench.common import median, timed
+from ragged_optim.bench.common import comm_figures, median, timed
 from ragged_optim.comm.counter import count_collectives
 
 LR, MOMENTUM, WEIGHT_DECAY = 0.02, 0.95, 0.01
@@ -124,12 +124,7 @@ def _rank(rank, world_size, mesh_shape, preset, scale, n_layers, steps, ns_dtype
         "torch_opt_step_s": median(times["torch"]),
         "ours_opt_step_times_s": times["ours"],
         "torch_opt_step_times_s": times["torch"],
-        "ours_collectives_per_step": counts["ours"].total_calls,
-        "torch_collectives_per_step": counts["torch"].total_calls,
-        "ours_bytes_per_step": counts["ours"].total_bytes,
-        "torch_bytes_per_step": counts["torch"].total_bytes,
-        "ours_comm": counts["ours"].as_dict(),
-        "torch_comm": counts["torch"].as_dict(),
+        **comm_figures({"ours": counts["ours"], "torch": counts["torch"]}),
         "owner_compute": load,
         "placements": placements,
         "matrices": len(mats["ours"]),
