@@ -66,6 +66,18 @@ class TensorParallelPart:
     __hash__ = object.__hash__
 
 
+_JOINT_MESHES: dict = {}
+
+
+def _joint_mesh(shard_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
+    """The data-parallel dim and the TP mesh's dims as one mesh, built once per pair (every TP param of a model
+    shares it, rather than one object per param)."""
+    key = (shard_mesh, tp_mesh)
+    if key not in _JOINT_MESHES:
+        _JOINT_MESHES[key] = DeviceMesh._concatenate([shard_mesh, tp_mesh])
+    return _JOINT_MESHES[key]
+
+
 def tensor_parallel_part(param: DTensor, name: str, shard_mesh: DeviceMesh | None) -> TensorParallelPart:
     """The layout of TP param ``param`` (named ``name``) under a unit sharded over ``shard_mesh``; a clear error for
     layouts that cannot be sharded further (partial values, a TP mesh that shares a dim with the shard mesh, a
@@ -95,7 +107,7 @@ def tensor_parallel_part(param: DTensor, name: str, shard_mesh: DeviceMesh | Non
             "the data-parallel dim). Slice both from one named mesh: mesh = init_device_mesh(..., (dp, tp), "
             "mesh_dim_names=('dp', 'tp')); parallelize_module(m, mesh['tp'], plan); fully_shard(m, mesh=mesh['dp'])"
         )
-    mesh = DeviceMesh._concatenate([shard_mesh, tp_mesh])
+    mesh = _joint_mesh(shard_mesh, tp_mesh)
     shape = torch.Size(param.shape)
     stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
     local_shape, offsets = compute_local_shape_and_global_offset(shape, tp_mesh, placements)
