@@ -214,10 +214,15 @@ _LAYOUTS: dict[int, tuple] = {}
 
 
 def dtensor_layout(param: torch.Tensor) -> DTensorLayout:
-    """The layout of a DTensor param (not a ragged-sharded one), cached per param object (dropped with it) and
-    placements."""
-    if shard_info(param) is not None:
-        raise ValueError("dtensor_layout: a ragged-sharded param's layout is its unit's")
+    """The layout of a DTensor param, cached per param object (dropped with it) and placements; of a tensor-parallel
+    ragged-sharded param, the one its unit shared (:mod:`ragged_optim.sharding.ragged_tp_layout`)."""
+    info = shard_info(param)
+    if info is not None:
+        if info.tp is None:
+            raise ValueError("dtensor_layout: a ragged-sharded param's layout is its unit's")
+        from ragged_optim.sharding.ragged_tp_layout import ragged_tp_layout  # (that module builds on this one)
+
+        return ragged_tp_layout(param)
     key = (tuple(param.placements), id(param.device_mesh), tuple(param.shape))
     hit = _LAYOUTS.get(id(param))
     if hit is not None and hit[0] == key and hit[1]() is param:

@@ -512,7 +512,10 @@ def _tensor_parallel_parts(params, names, mesh) -> list:
     if not any(isinstance(p, DTensor) for p in params):
         return [None] * len(params)
     shard_mesh = _shard_mesh(mesh)
-    return [tensor_parallel_part(p, n, shard_mesh) if isinstance(p, DTensor) else None for p, n in zip(params, names)]
+    full = mesh if isinstance(mesh, DeviceMesh) else None
+    return [
+        tensor_parallel_part(p, n, shard_mesh, full) if isinstance(p, DTensor) else None for p, n in zip(params, names)
+    ]
 
 
 def fully_shard(

@@ -31,6 +31,9 @@ class TensorParallelPart:
     offsets: tuple[int, ...]  # where this rank's TP-local block starts in the global tensor
     mesh: DeviceMesh  # data-parallel dim + the TP mesh's dims: the sharded param's mesh
     ragged_dim: int  # the data-parallel dim's index in ``mesh``
+    #: Every dim of ``fully_shard``'s mesh (HSDP's replicate dim too) + the TP mesh's dims: the ranks an optimizer
+    #: block of this param is computed once among.
+    exchange_mesh: DeviceMesh | None = None
 
     @property
     def placements(self) -> tuple:
@@ -78,8 +81,11 @@ def _joint_mesh(shard_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
     return _JOINT_MESHES[key]
 
 
-def tensor_parallel_part(param: DTensor, name: str, shard_mesh: DeviceMesh | None) -> TensorParallelPart:
-    """The layout of TP param ``param`` (named ``name``) under a unit sharded over ``shard_mesh``; a clear error for
+def tensor_parallel_part(
+    param: DTensor, name: str, shard_mesh: DeviceMesh | None, full_mesh: DeviceMesh | None = None
+) -> TensorParallelPart:
+    """The layout of TP param ``param`` (named ``name``) under a unit sharded over ``shard_mesh`` (the shard dim of
+    ``full_mesh``, fully_shard's mesh: HSDP's has a replicate dim before it); a clear error for
     layouts that cannot be sharded further (partial values, a TP mesh that shares a dim with the shard mesh, a
     shard mesh that is not a DeviceMesh of the same root)."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -116,6 +122,8 @@ def tensor_parallel_part(param: DTensor, name: str, shard_mesh: DeviceMesh | Non
             f"fully_shard: param {name!r}'s TP-local tensor has shape {tuple(param.to_local().shape)}, but its "
             f"placements {placements} on {tp_mesh} give {tuple(local_shape)} for shape {tuple(shape)} here"
         )
+    full_mesh = shard_mesh if full_mesh is None else full_mesh
+    exchange = mesh if full_mesh.ndim == 1 else _joint_mesh(full_mesh, tp_mesh)
     return TensorParallelPart(
-        tp_mesh, placements, shape, stride, torch.Size(local_shape), tuple(offsets), mesh, ragged_dim=0
+        tp_mesh, placements, shape, stride, torch.Size(local_shape), tuple(offsets), mesh, 0, exchange
     )

@@ -103,11 +103,20 @@ def _clip_grad_norm(params, max_norm: float) -> float:
     return float(total)
 
 
-def _train(kind: str, mesh, dp_mesh):
-    """STEPS of torch AdamW with a clipped grad norm; returns (losses, grad norms, full params)."""
-    model = _build(kind, mesh, dp_mesh)
+OPTIMIZERS = {
     # (foreach=False: torch's foreach ops refuse lists of DTensors on different meshes, FSDP2's as ours)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-2, weight_decay=0.1, foreach=False)
+    "torch_adamw": lambda ps: torch.optim.AdamW(ps, lr=3e-2, weight_decay=0.1, foreach=False),
+    "muon": lambda ps: ro.Muon(ps, lr=3e-2, weight_decay=0.1, adamw_lr=1e-2),
+    "shampoo": lambda ps: ro.Shampoo(ps, lr=1e-2, max_preconditioner_dim=4),
+    "soap": lambda ps: ro.SOAP(ps, lr=1e-2, max_preconditioner_dim=4, precondition_frequency=1),
+    "adamw8bit": lambda ps: ro.AdamW8bit(ps, lr=1e-2, block_size=4, min_8bit_size=0),
+}
+
+
+def _train(kind: str, mesh, dp_mesh, optimizer: str = "torch_adamw"):
+    """STEPS of ``optimizer`` with a clipped grad norm; returns (losses, grad norms, full params)."""
+    model = _build(kind, mesh, dp_mesh)
+    opt = OPTIMIZERS[optimizer](list(model.parameters()))
     dp_rank, dp_size = _dp_rank_and_size(mesh)
     losses, norms = [], []
     for step in range(STEPS):
@@ -120,7 +129,7 @@ def _train(kind: str, mesh, dp_mesh):
         opt.step()
         opt.zero_grad()
         losses.append(float(loss.detach()))
-    params = [p.full_tensor() if isinstance(p, DTensor) else p.detach().clone() for p in model.parameters()]
+    params = [p.full_tensor().detach() if isinstance(p, DTensor) else p.detach().clone() for p in model.parameters()]
     return losses, norms, params
 
 
@@ -144,7 +153,8 @@ def _types(mesh, dp_mesh):
 
 def _run(rank, world, mesh_shape):
     mesh, dp_mesh = _mesh(mesh_shape)
-    out = {kind: _train(kind, mesh, dp_mesh) for kind in ("single", "torch", "ours")}
+    kinds = ("single", "torch", "ours")
+    out = {(kind, name): _train(kind, mesh, dp_mesh, name) for name in OPTIMIZERS for kind in kinds}
     out["types"] = _types(mesh, dp_mesh)
     return out
 
@@ -155,13 +165,15 @@ def _distance(a, b) -> float:
 
 @pytest.mark.parametrize("mesh_shape", [(2, 2), (1, 2), (2, 1, 2)], ids=["dp2xtp2", "dp1xtp2", "hsdp2x1xtp2"])
 def test_tensor_parallel_block_trains_as_fsdp2_and_one_process(mesh_shape):
-    """On main: ``NotImplementedError: fully_shard: param 'up.weight' is already a DTensor``."""
+    """torch AdamW and each of our optimizers (Muon's whole matrices and Shampoo's and SOAP's bands across the TP
+    dim, 8-bit blocks), on ours and on FSDP2 + TP, against one process. On ed77270: ``fully_shard: param
+    'up.weight' is already a DTensor``; on 3a45141 our optimizers refused these params (``NotImplementedError``)."""
     world = 1
     for n in mesh_shape:
         world *= n
-    results = run_on_ranks(_run, world, mesh_shape)
-    for got in results:
-        single, fsdp2, ours = got["single"], got["torch"], got["ours"]
+    results = run_on_ranks(_run, world, mesh_shape, timeout_s=300)
+    for got, name in ((got, name) for got in results for name in OPTIMIZERS):
+        single, fsdp2, ours = got["single", name], got["torch", name], got["ours", name]
         types = got["types"]
         assert types["dtensor"] and types["same_init"] and types["norm_mesh_is_dp"]
         assert types["shapes"] == ((10, 6), (6, 10), (6,), (6,))
@@ -336,9 +348,9 @@ def _llama_run(rank, world):
     mesh, _ = _mesh((2, 2))
     dp_rank = mesh["dp"].get_local_rank()
     out = {}
-    for kind in ("single", "torch", "ours"):
+    for (kind, name), make in (((k, n), m) for n, m in LLAMA_OPTIMIZERS.items() for k in ("single", "torch", "ours")):
         model = _llama(kind, mesh)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+        opt = make(list(model.parameters()))
         for step in range(STEPS):
             model.train()
             if kind == "single":
@@ -351,15 +363,22 @@ def _llama_run(rank, world):
         model.eval()
         with torch.no_grad():  # an eval forward after training, as users run one
             logits = model(input_ids=_tokens(STEPS, 0)).logits
-        params = [p.full_tensor() if isinstance(p, DTensor) else p.detach().clone() for p in model.parameters()]
-        out[kind] = (params, logits)
+        params = [p.full_tensor().detach() if isinstance(p, DTensor) else p.detach() for p in model.parameters()]
+        out[kind, name] = (params, logits)
     return out
+
+
+LLAMA_OPTIMIZERS = {
+    "torch_adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=False),
+    "muon": lambda ps: ro.Muon(ps, lr=2e-2, adamw_lr=1e-2),  # q/k/v/o/gate/up/down: whole matrices across tp
+}
 
 
 def test_tiny_llama_with_a_tensor_parallel_plan_and_activation_checkpointing_under_torchrun(tmp_path):
     """A transformers LlamaForCausalLM with torch's TP plan (q/k/v/gate/up column-wise, o/down row-wise) on each
     decoder layer, activation checkpointing on, then an eval forward, under ``torchrun --nproc-per-node 4`` as
-    users launch it. On main: fully_shard refuses the TP params."""
+    users launch it; torch AdamW and ro.Muon (every matrix orthogonalized whole, though TP cuts it). On ed77270
+    fully_shard refused the TP params; on 3a45141 ro.Muon refused ours."""
     import subprocess
     import sys
 
@@ -371,8 +390,12 @@ def test_tiny_llama_with_a_tensor_parallel_plan_and_activation_checkpointing_und
     env = {**os.environ, "PYTHONPATH": os.path.dirname(__file__), "OMP_NUM_THREADS": "1"}
     done = subprocess.run([*cmd, job, out], env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
-    for got in (torch.load(f"{out}.{rank}") for rank in range(4)):
-        (single, single_logits), (fsdp2, fsdp2_logits), (ours, ours_logits) = got["single"], got["torch"], got["ours"]
+    for got, name in ((torch.load(f"{out}.{rank}"), name) for rank in range(4) for name in LLAMA_OPTIMIZERS):
+        (single, single_logits), (fsdp2, fsdp2_logits), (ours, ours_logits) = (
+            got["single", name],
+            got["torch", name],
+            got["ours", name],
+        )
         ulp = torch.finfo(torch.float32).eps * max(float(p.abs().max()) for p in single)
         assert _distance(ours, single) <= 4 * _distance(fsdp2, single) + 4 * ulp
         logit_ulp = torch.finfo(torch.float32).eps * float(single_logits.abs().max())

@@ -535,7 +535,7 @@ class AdamW8bit(RaggedOptimizer):
         self._check_8bit_state(p, state, parts, group)
         state["step"] += 1
         state["m_bound_sq"] = adamw8bit_m_bound_sq_next(state["m_bound_sq"], *group["betas"])
-        if n == 0 and not dtensor:
+        if n == 0 and not (dtensor or self._is_nd(p, group)):  # (a DTensor's step is a collective: never skipped)
             return None
         contiguous = lp.is_contiguous()
         pv = lp.view(-1) if contiguous else lp.reshape(-1).clone()

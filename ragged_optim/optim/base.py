@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ragged_optim.sharding import shard_info
-from ragged_optim.sharding.dtensor_layout import dtensor_layout
+from ragged_optim.sharding.dtensor_layout import dtensor_layout, exchange_group
 from ragged_optim.sharding.sharded_param import full_shape  # noqa: F401  (re-exported: its home is the sharding layer)
 
 
@@ -45,9 +45,21 @@ def on_foreach_device(tensors) -> bool:
 
 
 def is_dtensor(t: torch.Tensor) -> bool:
-    """A torch DTensor param laid out by its placements (FSDP2's ``Shard(0)``), not a ragged-sharded param (a
-    DTensor too, whose layout comes from its unit: ``shard_info``)."""
-    return hasattr(t, "to_local") and hasattr(t, "placements") and shard_info(t) is None
+    """A DTensor param whose ranks' elements a :class:`~ragged_optim.sharding.dtensor_layout.DTensorLayout` gives:
+    torch's (FSDP2's ``Shard(0)``, FSDP2 + TP), and a tensor-parallel param ragged-sharded by ``fully_shard`` (its
+    ranks' runs over the joint (dp, tp) mesh). Not a plain ragged-sharded param (a DTensor too, whose layout is its
+    unit's, one range per rank: ``shard_info``)."""
+    if not (hasattr(t, "to_local") and hasattr(t, "placements")):
+        return False
+    info = shard_info(t)
+    return info is None or info.tp is not None
+
+
+def ragged_info(p: torch.Tensor):
+    """The ShardInfo of a ragged-sharded param laid out by its unit alone (one range per rank of the unit's group);
+    None for any other param, a tensor-parallel ragged one included (:func:`is_dtensor`)."""
+    info = shard_info(p)
+    return info if info is not None and info.tp is None else None
 
 
 def local(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -61,6 +73,8 @@ def local(t: torch.Tensor | None) -> torch.Tensor | None:
 def process_group(p: torch.Tensor):
     """The group a distributed param's blocks are exchanged over (None for a plain tensor)."""
     info = shard_info(p)
+    if info is not None and info.tp is not None:  # its blocks span the dp and tp dims: the joint mesh's ranks
+        return exchange_group(info.tp.exchange_mesh)
     if info is not None:
         return info.unit.group
     if is_dtensor(p):
@@ -71,7 +85,7 @@ def process_group(p: torch.Tensor):
 def local_ranges(p: torch.Tensor) -> list[tuple[int, int]]:
     """Every rank's flat element range ``[lo, hi)`` of a distributed param whose ranks each hold one range (ragged
     params, FSDP2's ``Shard(0)`` on a 1-D mesh); for other DTensor layouts see :func:`runs_of_rank`."""
-    info = shard_info(p)
+    info = ragged_info(p)
     if info is not None:
         layout = info.unit.layout
         return [layout.local_range(r, info.index) for r in range(layout.world_size)]
@@ -115,7 +129,7 @@ def local_slice(p: torch.Tensor, s: int, e: int) -> tuple[int, int]:
 
 def local_range(p: torch.Tensor) -> tuple[int, int]:
     """This rank's flat element range ``[lo, hi)`` of the full param (``(0, numel)`` for a plain tensor)."""
-    info = shard_info(p)
+    info = ragged_info(p)
     if info is not None:
         return info.local_range
     group = process_group(p)

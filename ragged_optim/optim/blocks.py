@@ -26,7 +26,16 @@ from torch import Tensor
 
 from ragged_optim.comm.collectives import same_on_every_rank
 from ragged_optim.comm.owner_exchange import BlockRoute, OwnerExchange
-from ragged_optim.optim.base import full_shape, is_dtensor, local, local_range, local_slice, process_group, runs_of_rank
+from ragged_optim.optim.base import (
+    full_shape,
+    is_dtensor,
+    local,
+    local_range,
+    local_slice,
+    process_group,
+    ragged_info,
+    runs_of_rank,
+)
 from ragged_optim.optim.state_schema import declared_schema, is_block_dict, state_from_dcp, state_to_dcp
 from ragged_optim.sharding import BlockSpec, shard_info
 from ragged_optim.sharding.dtensor_layout import check_placements, dtensor_layout
@@ -39,6 +48,7 @@ from ragged_optim.sharding.owner_routes import (
     ragged_routes,
 )
 from ragged_optim.sharding.planner import assign_owners_jointly
+from ragged_optim.sharding.ragged_tp_layout import share_tensor_parallel_runs, tp_local_spec
 from ragged_optim.sharding.state_schema import StateKind
 
 __all__ = [
@@ -128,13 +138,17 @@ def declare_blocks(
     allow_split: bool = True,
     block_cost: Callable[[Tensor, BlockSpec, int], float] | None = None,
     balance_whole_blocks: bool = False,
+    params: Sequence[Tensor] = (),
 ) -> None:
     """Tell the sharding layer which blocks of which params must be whole: every ragged unit concerned re-plans once
     (a collective: every rank calls it with the same entries, in the same order, before the first step). With
     ``allow_split=False`` no rank boundary may cut a block (8-bit quantization blocks); otherwise the planner may cut
     a block and mark it owner-computed. Then who computes the owner-computed and cut blocks (and, with
     ``balance_whole_blocks``, whole blocks too) is balanced over each process group by ``block_cost(p, spec,
-    numel)`` (default: the Newton-Schulz cost of the block's matrix view). Plain and DTensor params need nothing."""
+    numel)`` (default: the Newton-Schulz cost of the block's matrix view). Plain and DTensor params need nothing.
+    Tensor-parallel ragged params (``fully_shard`` after ``parallelize_module``) re-plan their TP-local parts, and
+    every rank's runs of them (of these entries and of ``params``) are shared over their joint (dp, tp) mesh: their
+    blocks get owners over all its ranks, at the step (:class:`_Routing`)."""
     entries = list(entries)
     for p, spec in entries:
         if not isinstance(spec, BlockSpec):
@@ -149,18 +163,24 @@ def declare_blocks(
         if info is None:
             continue
         unit = info.unit
-        by_unit.setdefault(id(unit), (unit, {}))[1][info.index] = spec
+        held = by_unit.setdefault(id(unit), (unit, {}, set()))
+        if info.tp is not None:  # its TP-local part: the blocks to keep whole there, if any; owners come later
+            spec = tp_local_spec(spec, info.tp.shape, info.tp.offsets, info.tp.local_shape)
+            if spec is None:
+                continue
+            held[2].add(info.index)
+        held[1][info.index] = spec
         param_at[(id(unit), info.index)] = p
-    for unit, specs in by_unit.values():
+    for unit, specs, _ in by_unit.values():
         if unit.device.type == "meta" and unit.world_size > 1 and specs:
             raise RuntimeError(
                 f"an optimizer was built on params still on the meta device ({unit.names[0]!r}, ...): its block "
                 "layout re-plans their units, which moves data between ranks. Build optimizers after "
                 "model.to_empty(device=...) and ro.init_weights(model)"
             )
-    _check_ranks_agree(list(by_unit.values()), allow_split)
+    _check_ranks_agree([(unit, specs) for unit, specs, _ in by_unit.values()], allow_split)
     groups: dict = {}
-    for unit, specs in by_unit.values():
+    for unit, specs, _ in by_unit.values():
         unit.relayout(specs, allow_split=allow_split)
         groups.setdefault(id(unit.group), []).append(unit)
     for units in groups.values():  # owners of all units of a group, balanced together (largest block first)
@@ -172,11 +192,12 @@ def declare_blocks(
         layouts = assign_owners_jointly(
             [u.layout for u in units],
             block_cost=cost,
-            tensors=[set(by_unit[id(u)][1]) for u in units],
+            tensors=[set(by_unit[id(u)][1]) - by_unit[id(u)][2] for u in units],
             balance_whole_blocks=balance_whole_blocks,
         )
         for unit, layout in zip(units, layouts):
             unit.layout = layout
+    share_tensor_parallel_runs(list({id(p): p for p in [*(p for p, _ in entries), *params]}.values()))
 
 
 def _check_ranks_agree(requests: list[tuple], allow_split: bool) -> None:
@@ -227,7 +248,7 @@ class _Routing:
         pending = []
         for p, spec in members:
             entry: list[tuple[int, int, BlockRoute | None]] = []
-            if shard_info(p) is not None:
+            if ragged_info(p) is not None:
                 routes, spans = ragged_routes(p)
                 entry = [(s, e, r) for r, (s, e) in zip(routes, spans)]
             else:
@@ -329,23 +350,6 @@ def _layout_value(v):
     return tuple(v) if isinstance(v, list) else v  # a state dict may turn a tuple into a list
 
 
-def _refuse_ragged_tensor_parallel(opt: torch.optim.Optimizer) -> None:
-    """Our optimizers compute blocks of a ragged unit's layout, which under tensor parallel holds TP-local blocks:
-    a whole matrix (Newton-Schulz, Shampoo's bands, 8-bit blocks) would be computed per TP rank, silently not the
-    one-process result. Refused until the planner lays blocks out across the TP dims too."""
-    for group in opt.param_groups:
-        for p in group["params"]:
-            info = shard_info(p)
-            if info is not None and info.unit.tp_parts[info.index] is not None:
-                raise NotImplementedError(
-                    f"{type(opt).__name__}: param {info.name!r} (in {info.unit.module_name}) is tensor-parallel "
-                    f"(placements {tuple(p.placements)}) and sharded by ragged_optim.fully_shard; our optimizers "
-                    "would compute its blocks per TP rank, not on the whole matrix, so they refuse it for now. Use "
-                    "torch.optim (AdamW, SGD: element-wise, exact here) on these params, or torch's fully_shard for "
-                    "the TP blocks"
-                )
-
-
 class BlockOptimizer(torch.optim.Optimizer):
     """A ``torch.optim.Optimizer`` that computes on whole blocks of its params, sharded or not.
 
@@ -376,7 +380,6 @@ class BlockOptimizer(torch.optim.Optimizer):
     def __init__(self, params, defaults: dict[str, Any], *, allow_split: bool = True) -> None:
         super().__init__(params, defaults)
         self._block_allow_split = allow_split
-        _refuse_ragged_tensor_parallel(self)
         self.declare_param_blocks()
         self._blocks_declared = True
         self.register_step_pre_hook(lambda opt, args, kwargs: opt._lock_block_layouts())
@@ -496,6 +499,7 @@ class BlockOptimizer(torch.optim.Optimizer):
             allow_split=self._block_allow_split,
             block_cost=self.block_cost,
             balance_whole_blocks=self.balance_whole_blocks,
+            params=[p for g in self.param_groups for p in g["params"]],
         )
         caches = ("_block_routing", "_block_specs", "_block_state_ranges", "_state_schema_cache", "_block_dict_keys")
         for cache in caches:

@@ -111,6 +111,8 @@ def _agreement_groups(params: list[Tensor]) -> list:
     pairs = {}  # by object first: the ranks of each distinct pair are looked up once (this runs every step)
     for p in params:
         info = shard_info(p)
+        if info is not None and any(tp is not None for tp in info.unit.tp_parts):
+            return _world()  # (a unit under tensor parallel: its dp group's ranks and their tp peers)
         if info is not None:
             pair = (info.unit.group, info.unit.replicate_group)
         elif is_dtensor(p):
