@@ -219,10 +219,10 @@ SAVED_STEPS = 2
 STATE_OPTIMIZERS = ["muon", "adamw8bit", "shampoo", "soap"]
 
 
-def save_nd(rank, world, root, shape):
+def save_nd(rank, world, root, shape, sharder="torch"):
     mesh = make_mesh(shape)
     for name in STATE_OPTIMIZERS:
-        model = tp_fsdp(MLP(), mesh)
+        model = tp_fsdp(MLP(), mesh, sharder)
         opt = OPTIMIZERS[name](list(model.parameters()))
         train(model, opt, SAVED_STEPS)
         msd, osd = get_state_dict(model, opt)
@@ -230,7 +230,7 @@ def save_nd(rank, world, root, shape):
         ro.save_checkpoint(f"{root}/{name}_ro", model, opt)
 
 
-def load_and_continue(rank, world, root, shape):
+def load_and_continue(rank, world, root, shape, sharder="torch"):
     """Load at ``shape`` (None: a plain model, one process) and take one more step: equal to a run that never
     stopped only when every state tensor came back exactly."""
     mesh = None if shape is None else make_mesh(shape)
@@ -239,7 +239,7 @@ def load_and_continue(rank, world, root, shape):
         for how in ("dcp", "ro"):
             model = MLP(seed=5)
             if mesh is not None:
-                tp_fsdp(model, mesh)
+                tp_fsdp(model, mesh, sharder)
             opt = OPTIMIZERS[name](list(model.parameters()))
             if how == "dcp":
                 msd, osd = get_state_dict(model, opt)
@@ -278,3 +278,23 @@ def test_state_saved_at_2x2_reloads_at_2x1_1x2_and_plain_exactly(tmp_path):
             for k in want[name]:
                 diff = (params[k] - want[name][k]).abs().max().item()
                 assert torch.equal(params[k], want[name][k]), (name, how, shape, k, diff)
+
+
+def test_state_of_our_tp_params_moves_to_every_layout_exactly(tmp_path):
+    """The same with ``ro.fully_shard`` + TP: saved at (2, 2), loaded into ours at (3, 1) and (1, 2), into torch's
+    fully_shard + TP at (2, 2) and into a plain model; and torch's (2, 2) checkpoint into ours at (2, 2). Every
+    state tensor must come back exactly (the next step is bitwise the run that never stopped). On 3a45141 our
+    optimizers refused these params."""
+    want = run_on_ranks(uninterrupted, 1)[0]
+    ours, theirs = str(tmp_path / "ours"), str(tmp_path / "torch")
+    run_on_ranks(save_nd, 4, ours, (2, 2), "ours", timeout_s=300)
+    run_on_ranks(save_nd, 4, theirs, (2, 2), "torch", timeout_s=300)
+    loads = [(ours, (3, 1), "ours"), (ours, (1, 2), "ours"), (ours, (2, 2), "torch"), (ours, None, "ours")]
+    loads.append((theirs, (2, 2), "ours"))
+    for root, shape, sharder in loads:
+        world = 1 if shape is None else math.prod(shape)
+        got = run_on_ranks(load_and_continue, world, root, shape, sharder, timeout_s=300)[0]
+        for (name, how), params in got.items():
+            for k in want[name]:
+                diff = (params[k] - want[name][k]).abs().max().item()
+                assert torch.equal(params[k], want[name][k]), (root, shape, sharder, name, how, k, diff)
