@@ -22,6 +22,7 @@ from ragged_optim.comm.collectives import serves_cuda
 from ragged_optim.sharding.comm_policy import CommPolicy
 from ragged_optim.sharding.flat_unit import FlatUnit
 from ragged_optim.sharding.ragged_dtensor import adopt_mesh
+from ragged_optim.sharding.rank_agreement import check_device, first_difference
 from ragged_optim.sharding.replaced_params import REPLACED_ATTR, mark_replaced  # (REPLACED_ATTR: optim reads it)
 from ragged_optim.sharding.replaced_params import REPLACED_IN_ATTR as _REPLACED_IN_ATTR
 from ragged_optim.sharding.runtime import ModuleState, cast_floating
@@ -587,9 +588,10 @@ def fully_shard(
     _check_params(modules, params, names)  # before the mesh: param errors need no process group
     group, replicate_group = _resolve_groups(mesh)
     tp_parts = _tensor_parallel_parts(params, names, mesh)
+    device = _target_device(mesh, params, group)
+    _check_ranks_pass_alike(module, params, names, (group, replicate_group), device)
     if isinstance(shard_mesh := _shard_mesh(mesh), DeviceMesh):
         adopt_mesh(shard_mesh)
-    device = _target_device(mesh, params, group)
     # the buffers go where a mesh says, or where the params move (never to meta because the params are there)
     for m in modules:
         if isinstance(mesh, DeviceMesh):
@@ -649,6 +651,24 @@ def _states_under(module: nn.Module) -> list[ModuleState]:
             seen.add(id(s))
             out.append(s)
     return out
+
+
+def _check_ranks_pass_alike(module: nn.Module, params, names, groups, device: torch.device) -> None:
+    """Every rank of the unit's groups must pass the same params (names, logical shapes, dtypes, trainable or
+    frozen), before anything is sharded: one all_reduce of a digest per group. A model built differently on one rank
+    or an EP layout whose ranks of one mesh hold different experts otherwise misaligns the first all-gathers (gloo
+    aborts the process) or, with the same shapes, averages different tensors."""
+    desc = [(n, list(p.shape), str(p.dtype).removeprefix("torch."), p.requires_grad) for n, p in zip(names, params)]
+    for group in groups:
+        if (where := first_difference(group, check_device(group, device), desc)) is None:
+            continue
+        raise ValueError(
+            f"fully_shard({type(module).__name__}): ranks sharded different models: its mesh's ranks pass different "
+            f"params ({where}; this rank passes {len(desc)} params). Every rank of the mesh must build the same "
+            "module (same config, shapes, dtypes) and call fully_shard on it. For expert parallel, fully_shard the "
+            "experts over the ranks that hold the same experts (the dp dim inside the ep dim, e.g. mesh['dp'] of a "
+            "(dp, ep) mesh), with as many experts on each of them; nothing was sharded"
+        )
 
 
 def _target_device(mesh, params, group) -> torch.device:

@@ -33,8 +33,8 @@ import torch.distributed as dist
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
-from ragged_optim.comm.collectives import same_on_every_rank
 from ragged_optim.sharding.flat_unit import FlatUnit
+from ragged_optim.sharding.rank_agreement import first_difference
 from ragged_optim.sharding.streams import CommStreams
 
 # Reduce-scatters whose input buffers may be alive at once (FSDP2 keeps one, too).
@@ -380,19 +380,8 @@ def _check_ranks_shard_alike(states: list[ModuleState]) -> None:
                 by_group.setdefault(id(u.group), (u.group, u.device, []))[2].append(u)
     for group, device, units in by_group.values():
         desc = [(u.module_name, list(u.layout.names), [list(x) for x in u.layout.shapes], str(u.dtype)) for u in units]
-        if same_on_every_rank(repr(desc), group, device):
+        if (where := first_difference(group, device, desc)) is None:
             continue
-        descs = [None] * dist.get_world_size(group)
-        dist.all_gather_object(descs, desc, group=group)
-        r = next(k for k, d in enumerate(descs) if d != descs[0])
-        a, b = descs[0], descs[r]
-        i = next((i for i in range(min(len(a), len(b))) if a[i] != b[i]), None)
-        where = (
-            f"rank 0 has {len(a)} units, rank {r} {len(b)}"
-            if i is None
-            else f"unit {i} ({a[i][0]}): params {a[i][1][:4]} with shapes {a[i][2][:4]}, {a[i][3]} on rank 0 but "
-            f"{b[i][1][:4]} with shapes {b[i][2][:4]}, {b[i][3]} on rank {r}"
-        )
         raise ValueError(
             f"fully_shard: ranks sharded different models ({where}). Every rank must build the same model (same "
             "config, same shapes, same dtype) and call fully_shard on the same modules"

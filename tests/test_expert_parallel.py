@@ -6,7 +6,7 @@ expert on one rank, each rank's batch as a micro-batch) as the reference.
 
 This composition needed no change of ours: the test passes on 212c331 too (the per-unit process groups of HSDP
 already let each unit take its own mesh). It pins the recipe docs/parallelism.md gives, and FSDP2's behaviour
-beside it."""
+beside it. The last test (ranks of one mesh holding different expert counts raise at fully_shard) is new."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -192,3 +193,50 @@ def test_experts_over_an_ep_dim_train_as_one_process(which):
     # the ep ranks together hold every expert: each rank reports its own, all four cover the model
     seen = {n for got in results for n in got["ours"] if n.startswith("moe.experts.")}
     assert seen == {n for n in single if n.startswith("moe.experts.")}
+
+
+def _uneven_experts_on_one_mesh(rank, world):
+    """Ranks of one ``fully_shard`` mesh holding different expert counts (rank r: r + 1 experts), as when the
+    experts are sharded over the whole mesh instead of the ranks that hold the same ones."""
+    experts = Experts(list(range(rank + 1)))
+    before = [id(p) for p in experts.parameters()]
+    try:
+        ro.fully_shard(experts)
+        error = None
+    except ValueError as e:
+        error = str(e)
+    untouched = [id(p) for p in experts.parameters()] == before and not isinstance(experts, FSDPModule)
+    return error, untouched and not any(isinstance(p, DTensor) for p in experts.parameters())
+
+
+def test_expert_counts_that_differ_across_a_mesh_raise_at_fully_shard():
+    """Before: fully_shard took it and the mismatch surfaced at a later forward (or never, for an expert only one
+    rank runs). Now every rank raises at the fully_shard call, naming the module and the fix, with nothing sharded."""
+    for error, untouched in run_on_ranks(_uneven_experts_on_one_mesh, 2, timeout_s=60):
+        assert error is not None and "fully_shard(Experts)" in error, error
+        assert "hold the same experts" in error and "on rank 1" in error, error
+        assert untouched
+
+
+def _uneven_experts_across_ep(rank, world):
+    """5 experts over ep 2 (3 and 2), each sharded over its own holders: fully_shard takes it; ro.Muon's owner
+    exchange spans every rank, so its first step refuses, naming the param that differs."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+    model = Net()
+    model.moe.experts = Experts(list(range(3)) if mesh["ep"].get_local_rank() == 0 else [3, 4])
+    ro.fully_shard(model.moe.experts, mesh=mesh["dp"])
+    ro.fully_shard(model)
+    opt = _optimizer(model, "muon")
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    try:
+        opt.step()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_expert_counts_that_differ_across_ep_ranks_raise_at_the_first_step():
+    for error in run_on_ranks(_uneven_experts_across_ep, 4, timeout_s=90):
+        assert error is not None and "ranks disagree on the optimizer's params" in error, error
+        assert "experts divisible by ep" in error, error

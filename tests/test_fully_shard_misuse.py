@@ -11,6 +11,7 @@ from fsdp_models import TwoLinear as Net
 from fsdp_models import shard_two_linear
 from noise_bounds import assert_within_reference, magnitude
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from ragged_optim.comm.launch import run_on_ranks
 from ragged_optim.sharding import clip_grad_norm_, full_tensor, fully_shard, units_of
@@ -322,20 +323,22 @@ def test_mixed_precision_casts_forward_inputs_and_outputs_like_fsdp2():
 def _other_model_per_rank(rank, world_size):
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(8, 12 + rank), nn.ReLU(), nn.Linear(12 + rank, 4))
-    fully_shard(m)
     try:
+        fully_shard(m)
         m(torch.randn(4, 8))
     except ValueError as e:
-        return str(e)
-    return None
+        return str(e), isinstance(m, FSDPModule)
+    return None, isinstance(m, FSDPModule)
 
 
-def test_ranks_that_sharded_different_models_raise_at_the_first_forward():
+def test_ranks_that_sharded_different_models_raise_at_fully_shard():
     """A model built differently on one rank (a config read per rank): the first forward's all-gathers did not pair
     up and gloo aborted the process (``op.preamble.length <= op.nbytes. 120 vs 112 ... Is there a distributed
-    collective mismatch``). Now every rank raises the same ValueError naming the first param that differs."""
-    for err in run_on_ranks(_other_model_per_rank, 2, timeout_s=60):
-        assert err is not None and "ranks sharded different models" in err
+    collective mismatch``). Then every rank raised at the first forward; now every rank raises the same ValueError
+    at the fully_shard call, naming the first param that differs, with the module left unsharded."""
+    for err, sharded in run_on_ranks(_other_model_per_rank, 2, timeout_s=60):
+        assert err is not None and "fully_shard(Sequential): ranks sharded different models" in err
+        assert not sharded
         assert "[12, 8]" in err and "[13, 8]" in err and "on rank 1" in err
 
 

@@ -257,7 +257,9 @@ def _check_same_params_in(opt, entries, group) -> None:
     raise RuntimeError(
         f"{cls}.step(): ranks disagree on the optimizer's params ({where}). Every rank must build the optimizer "
         "from the same model with the same param groups, in the same order (a rank-dependent filter, e.g. on "
-        "requires_grad or on which params are non-empty locally, makes them differ)"
+        "requires_grad or on which params are non-empty locally, makes them differ). For expert parallel, every ep "
+        "rank must hold as many experts, of the same shapes (experts divisible by ep): the optimizer's owner "
+        "exchange spans every rank"
     )
 
 
