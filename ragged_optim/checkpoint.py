@@ -63,7 +63,8 @@ from torch.distributed.tensor import DTensor
 
 from ragged_optim.optim.base import is_dtensor, local, process_group
 from ragged_optim.optim.blocks import BlockOptimizer
-from ragged_optim.optim.state_schema import block_layout, declared_schema, is_block_dict, kind_of
+from ragged_optim.optim.state_checks import check_optimizer_state_dict, declared_kinds, group_starts
+from ragged_optim.optim.state_schema import block_layout, is_block_dict, kind_of
 from ragged_optim.sharding import shard_info
 from ragged_optim.sharding.ragged_dtensor import RaggedDTensor, ragged_dtensor
 from ragged_optim.sharding.sharded_param import full_shape
@@ -271,10 +272,6 @@ def _entry_kind(opt, p: torch.Tensor, group: dict, key: str, value: Any, label: 
     if isinstance(opt, BlockOptimizer):
         return kind_of(opt, p, group, key, value, label)
     return default_kind(key, value, tuple(local(p).shape), tuple(full_shape(p))) or Replicated()
-
-
-def _declared(opt, p: torch.Tensor, group: dict) -> dict[str, StateKind]:
-    return declared_schema(opt, p, group) if isinstance(opt, BlockOptimizer) else {}
 
 
 def _flatten_block(prefix: str, value: Any, out: dict, where: str) -> None:
@@ -843,7 +840,7 @@ def _optim_request(path, opt, p, fqn: str, group: dict, rec: dict, stored: dict,
 
     base = f"optim.state.{fqn}."
     mine = {k[len(base) :]: md for k, md in stored.items() if k.startswith(base)}
-    kinds = _reading_kinds(path, opt, fqn, (rec.get("schema") or {}).get(fqn, {}), _declared(opt, p, group))
+    kinds = _reading_kinds(path, opt, fqn, (rec.get("schema") or {}).get(fqn, {}), declared_kinds(opt, p, group))
     dict_keys = [k for k, kind in kinds.items() if is_block_dict(kind)]
     leaves: dict[str, Any] = {}
     blocks: dict[str, dict[int, dict[str, str]]] = {}
@@ -1082,7 +1079,7 @@ def get_full_optimizer_state_dict(model: nn.Module, opt: torch.optim.Optimizer) 
             out[key] = dict(sorted(merged.items()))
         if out:
             full_state[i] = out
-    for g, start in zip(sd["param_groups"], _starts(opt)):
+    for g, start in zip(sd["param_groups"], group_starts(opt)):
         g["param_names"] = fqns[start : start + len(g["params"])]
     sd["state"] = full_state
     return sd
@@ -1096,52 +1093,3 @@ def _cpu(v):
     if isinstance(v, Mapping):
         return {k: _cpu(t) for k, t in v.items()}
     return v
-
-
-def _starts(opt) -> list[int]:
-    out, k = [], 0
-    for g in opt.param_groups:
-        out.append(k)
-        k += len(g["params"])
-    return out
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# plain optimizer.load_state_dict guard
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def check_optimizer_state_dict(opt: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
-    """Raise a ValueError naming the param when ``state_dict`` (for ``opt.load_state_dict``) was saved for other
-    params: element-wise state whose size differs from the param's local piece (another model, or the same model
-    at another world size or layout). torch itself checks only the group sizes."""
-    groups = state_dict.get("param_groups", [])
-    saved_sizes = [len(g["params"]) for g in groups]
-    sizes = [len(g["params"]) for g in opt.param_groups]
-    if saved_sizes != sizes:
-        raise ValueError(
-            f"{type(opt).__name__}.load_state_dict: the state dict has param groups of sizes {saved_sizes}, the "
-            f"optimizer {sizes}: it was saved for another model or other param groups"
-        )
-    ids = [i for g in groups for i in g["params"]]
-    starts = _starts(opt)
-    for gi, g in enumerate(opt.param_groups):
-        for i, p in enumerate(g["params"]):
-            st = state_dict.get("state", {}).get(ids[starts[gi] + i])
-            here = local(p).numel()  # (an FSDP2 param's: its local rows)
-            declared = _declared(opt, p, g)
-            for key, v in (st or {}).items():
-                # element-wise state (declared so, or an undeclared tensor: our optimizers' state always is one
-                # of the two); per-block and replicated entries are the optimizer's own to check
-                kind = declared.get(key, Elem())
-                if not isinstance(v, torch.Tensor) or v.dim() == 0 or not isinstance(kind, Elem):
-                    continue
-                if v.numel() != here:
-                    names = g.get("param_names")
-                    named = f" ({names[i]!r})" if names else ""
-                    raise ValueError(
-                        f"{type(opt).__name__}.load_state_dict: state {key!r} of param_groups[{gi}]['params'][{i}]"
-                        f"{named} has {v.numel()} elements but the param has {here} here (full shape "
-                        f"{tuple(full_shape(p))}): the state dict is from another model, world size or layout. Use "
-                        "ragged_optim.checkpoint.save_checkpoint/load_checkpoint to move state across world sizes"
-                    )

@@ -66,9 +66,7 @@ _CHECKED = "_ragged_guard_checked"
 
 def set_nonfinite_policy(opt: torch.optim.Optimizer, policy: str) -> None:
     """``"skip"`` (default), ``"raise"`` or ``"off"``: what ``opt.step()`` does with NaN/Inf gradients."""
-    from ragged_optim.optim.optimizer import RaggedOptimizer  # (it imports this module)
-
-    if not isinstance(opt, RaggedOptimizer):
+    if not getattr(type(opt), "checks_nonfinite_grads", False):
         raise TypeError(
             f"set_nonfinite_policy: {type(opt).__name__} is not a ragged-optim optimizer, and only those check grads "
             "in step(), so the policy would do nothing. For torch's optimizers check the grads yourself (e.g. "

@@ -14,6 +14,7 @@ import torch
 from ragged_optim.optim.base import full_shape, is_dtensor, local, scalar
 from ragged_optim.optim.blocks import BlockOptimizer
 from ragged_optim.optim.nonfinite import guard_step
+from ragged_optim.optim.state_checks import check_optimizer_state_dict
 from ragged_optim.optim.state_schema import state_from_dcp
 from ragged_optim.sharding.dtensor_layout import check_placements
 
@@ -90,6 +91,9 @@ class RaggedOptimizer(BlockOptimizer):
     ragged-sharded and FSDP2 params) with our optimizers' shared checks. Subclasses start ``step`` with
     ``loss, skip = self._begin_step(closure)``."""
 
+    #: what ``set_nonfinite_policy`` looks for: ``step`` checks grads (a class marker, so that module need not
+    #: import this one, which imports it)
+    checks_nonfinite_grads = True
     #: the non-finite policy and the count of skipped steps are settings a copy keeps
     _settings_attrs = (*BlockOptimizer._settings_attrs, "nonfinite", "found_nonfinite")
 
@@ -169,8 +173,6 @@ class RaggedOptimizer(BlockOptimizer):
     def _check_state_dict(self, state_dict: Any) -> None:
         """Everything load_state_dict checks before it changes anything. torch's loader checks only group sizes,
         so a state dict of another optimizer class used to load and then fail deep inside ``step``."""
-        from ragged_optim.checkpoint import check_optimizer_state_dict
-
         where = f"{type(self).__name__}.load_state_dict"
         if not (
             isinstance(state_dict, dict)
