@@ -8,7 +8,10 @@ per-param loop: every ``_foreach_*`` op, the ``_fused_*`` kernels, ``zeros_like`
 ``p.copy_(full)`` (each rank takes its range of a full-shape tensor, as a DTensor ``copy_`` from a replicated
 source does), ``p.mul_``. Norms (``linalg_vector_norm``, ``_foreach_norm``: what ``clip_grad_norm_`` calls) return
 a torch DTensor with a partial-norm placement on the same mesh: torch's own op rules then stack and combine them
-and reduce across ranks where a value is needed, exactly as for FSDP2's grads. Anything else (matmul, views,
+and reduce across ranks where a value is needed, exactly as for FSDP2's grads. Whole-tensor reductions (``any``,
+``all``, ``max``, ``min``, ``sum``, ``mean`` with no dim: ``trunc_normal_``'s loop) reduce across the ranks at once
+and give a replicated DTensor; ``t.new_empty(size)`` (and ``new_zeros``, ``new_ones``, ``new_full``) of another
+shape gives a replicated DTensor on t's mesh, as on FSDP2. Anything else (matmul, views,
 indexing, reductions over a dim) would need the whole tensor and is refused with a message naming the op and
 ``full_tensor()``.
 
@@ -21,8 +24,10 @@ works as on FSDP2.
 
 from __future__ import annotations
 
+import math
+
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 aten = torch.ops.aten
@@ -54,6 +59,19 @@ _LIKE = {
     aten.randn_like.default,
     aten.clone.default,
     aten._to_copy.default,
+}
+#: ``t.new_*(size)``: of t's own shape a piece laid out like t; of another shape a replicated torch DTensor on t's
+#: mesh, as FSDP2's DTensor gives (torchtitan's fused-QKV init draws q, k, v so, then ``copy_``s them into t)
+_NEW_FACTORIES = {aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default}
+#: reductions of the whole tensor (no dim): each rank reduces its piece, then the ranks combine (torch 2.13's
+#: ``trunc_normal_`` loops on ``mask.any()`` of the param it fills)
+_WHOLE_REDUCTIONS = {
+    aten.any.default: "max",
+    aten.all.default: "min",
+    aten.max.default: "max",
+    aten.min.default: "min",
+    aten.sum.default: "sum",
+    aten.mean.default: "sum",
 }
 _NORMS = {aten.linalg_vector_norm.default, aten.norm.Scalar, aten.norm.ScalarOpt_dim}
 _FOREACH_NORMS = {aten._foreach_norm.Scalar}
@@ -181,11 +199,12 @@ def dispatch(func, args, kwargs):
         return args[0]._rewrap(args[0]._local_tensor.detach())
     if func is aten.detach_.default:
         return args[0]
-    if func is aten.new_empty.default and isinstance(args[0], RaggedDTensor) and tuple(args[1]) == tuple(args[0].shape):
-        # DCP's async stager copies a DTensor as new_empty(full size) and then its local tensor: an empty piece
-        return args[0]._rewrap(torch.empty_like(args[0]._local_tensor, **kwargs))
+    if func in _NEW_FACTORIES and isinstance(args[0], RaggedDTensor):
+        return _new_factory(func, args, kwargs)
     if func in _NORMS:
         return _norm(func, args, kwargs)
+    if func in _WHOLE_REDUCTIONS:
+        return _whole_reduction(func, args, kwargs)
     if func is aten._amp_foreach_non_finite_check_and_unscale_.default:
         return _unscale(func, args, kwargs)
     if func in (aten.equal.default, aten.allclose.default):
@@ -217,6 +236,15 @@ def dispatch(func, args, kwargs):
     if isinstance(out, torch.Tensor) and out.shape == ref._local_tensor.shape:
         return ref._rewrap(out)
     raise refuse(func, f" (it gave a {tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__})")
+
+
+def _new_factory(func, args, kwargs):
+    t, size, *rest = args
+    if tuple(size) == tuple(t.shape):  # (DCP's async stager copies a DTensor as new_empty(its size), then fills it)
+        return t._rewrap(func(t._local_tensor, t._local_tensor.shape, *rest, **kwargs))
+    mesh = t.device_mesh
+    return DTensor.from_local(func(t._local_tensor, size, *rest, **kwargs), mesh, [Replicate()] * mesh.ndim,
+                              run_check=False)  # fmt: skip
 
 
 def _mutates_first(func) -> bool:
@@ -251,6 +279,33 @@ def _partial_norm(t, local: torch.Tensor, ord_: float) -> DTensor:
     # (under tensor parallel: partial over the TP dims that shard the tensor too; replicated over the others)
     placements = [Replicate() if type(pl) is Replicate else _NormPartial(norm_type=ord_) for pl in t.placements]
     return DTensor.from_local(local, t.device_mesh, placements, run_check=False)
+
+
+def _whole_reduction(func, args, kwargs) -> DTensor:
+    """``t.any()``, ``t.sum()``, ``t.max()``...: this rank's piece reduced (an empty piece gives the op's identity),
+    combined in float64 over the mesh dims that cut the tensor (RaggedShard's and TP's; RaggedShard derives from
+    Replicate, hence the exact type test), as a replicated torch DTensor: what FSDP2's DTensor gives once reduced.
+    A collective, as there: every rank of the mesh runs it."""
+    from ragged_optim.comm.collectives import all_reduce_flat
+
+    t, *rest = args
+    loc, how = t._local_tensor, _WHOLE_REDUCTIONS[func]
+    mean = func is aten.mean.default
+    local_op = aten.sum.default if mean else func
+    # (max and min of nothing raise: an empty piece takes the identity of how the ranks combine, and the dtype the
+    # op gives on one element)
+    out = local_op(loc if loc.numel() else loc.new_zeros(1), *rest, **kwargs)
+    identity = {aten.any.default: 0.0, aten.all.default: 1.0, aten.max.default: -math.inf, aten.min.default: math.inf}
+    value = float(out) if loc.numel() else identity.get(func, 0.0)
+    combined = torch.tensor([value], dtype=torch.float64, device=loc.device)
+    op = getattr(torch.distributed.ReduceOp, how.upper())
+    for dim, pl in enumerate(t.placements):
+        if type(pl) is not Replicate:
+            all_reduce_flat(combined, group=t.device_mesh.get_group(dim), op=op)
+    if mean:
+        combined /= t.numel()
+    mesh = t.device_mesh
+    return DTensor.from_local(combined[0].to(out.dtype), mesh, [Replicate()] * mesh.ndim, run_check=False)
 
 
 def _unscale(func, args, kwargs):

@@ -104,6 +104,26 @@ def like_fsdp2(rank, world):
             nn.init.normal_(m.blocks[1][0].weight, std=0.02)  # each rank draws its own piece: statistics only
             nn.init.kaiming_uniform_(m.blocks[1][2].weight)
         res["inited"] = full(m)
+        # whole-tensor reductions (a collective, as on FSDP2); on head.weight's integers every sum is exact
+        one = lambda t: t.full_tensor().item()  # noqa: E731
+        reductions = (lambda t: t.max(), lambda t: t.min(), lambda t: (t > 0.5).any(), lambda t: (t > -1).all())
+        res["reduced"] = {  # (the op on the param, the op on its full value)
+            n: ([one(r(p)) for r in reductions], [r(p.full_tensor()).item() for r in reductions])
+            for n, p in m.named_parameters()
+        }
+        res["sum, mean"] = (one(m.head.weight.sum()), one(m.head.weight.mean()), str(m.head.weight.sum().dtype))
+        # torch 2.13's trunc_normal_ loops until no draw is out of bounds (mask.any() of the whole param)
+        nn.init.trunc_normal_(m.blocks[0][2].weight, std=0.5, a=-0.4, b=0.4)
+        res["trunc"] = m.blocks[0][2].weight.full_tensor()
+        # torchtitan's fused-QKV init: new_empty of another shape is a replicated DTensor on the param's mesh;
+        # its cat, copied in, gives each rank its part
+        w = m.blocks[1][0].weight  # (20, 12)
+        q, kv = w.new_empty(12, 12), w.new_zeros(8, 12)
+        res["new_meta"] = [(type(t).__name__, tuple(t.shape), tuple(t.placements)) for t in (q, kv)]
+        with torch.no_grad():
+            q.copy_(distribute_tensor(torch.arange(144.0).view(12, 12), w.device_mesh, [Replicate()]))
+            w.copy_(torch.cat([q, kv + 1]))
+        res["fused"] = w.full_tensor()
         # redistribute as FSDP2 code does
         p = m.head.weight
         res["replicate"] = p.redistribute(p.device_mesh, [Replicate()]).to_local()
@@ -167,6 +187,15 @@ def test_params_behave_as_fsdp2_dtensors(world):
             assert ours["inited"][n].abs().max() <= (6 / 20) ** 0.5 + 1e-6 and ours["inited"][n].std() > 0
         else:
             assert torch.equal(ours["inited"][n], want), n
+    for n, (on_param, on_full) in ours["reduced"].items():
+        assert on_param == on_full, n
+        if n not in ("blocks.1.0.weight", "blocks.1.2.weight"):  # (not drawn at random: the same values)
+            assert ours["reduced"][n] == theirs["reduced"][n], n
+    assert ours["sum, mean"] == theirs["sum, mean"]
+    trunc = ours["trunc"]
+    assert trunc.abs().max() <= 0.4 and trunc.std() > 0.1  # (drawn per rank: statistics only)
+    assert ours["new_meta"] == theirs["new_meta"]
+    assert torch.equal(ours["fused"], theirs["fused"])
     assert torch.equal(ours["replicate"], theirs["replicate"])
     assert torch.equal(ours["shard0"][0], theirs["shard0"][0]) and ours["shard0"][1] == theirs["shard0"][1]
     assert ours["hook_saw"] == theirs["hook_saw"] == {"weight": (True, (20, 12)), "bias": (True, (20,))}
