@@ -445,7 +445,7 @@ def cmd_plan(args) -> int:
         raise UsageError(f"--world-size must be >= 1, got {args.world_size}")
     if args.granularity < 1:
         raise UsageError(f"--granularity must be >= 1, got {args.granularity}")
-    if args.itemsize < 1:  # (before: the planner's message named the first tensor, not the flag)
+    if args.itemsize < 1:  # (here: the planner's own message would name the first tensor, not the flag)
         raise UsageError(f"--itemsize must be >= 1 (bytes per element), got {args.itemsize}")
     try:
         summary = run_plan(args)

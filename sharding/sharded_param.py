@@ -73,7 +73,7 @@ def is_ragged_sharded(param: torch.Tensor) -> bool:
 
 
 def _check_tensor(what: str, param) -> None:
-    if not isinstance(param, torch.Tensor):  # (an AttributeError from inside before, naming nothing)
+    if not isinstance(param, torch.Tensor):  # (else an AttributeError from inside, naming nothing)
         raise TypeError(f"{what}: takes one param (a tensor), got a {type(param).__name__}; for a model or a list, "
                         "call it on each param")  # fmt: skip
 

@@ -77,8 +77,8 @@ def run_benchmark(
 
 
 def _out_problem(out: str, *, folder: bool) -> str | None:
-    """What is wrong with ``--out`` (checked before a run that can take many minutes; before, an unusable path
-    raised after it, and with ``--json`` the results were lost): None when it can be written."""
+    """What is wrong with ``--out`` (checked before a run that can take many minutes, so an unusable path does
+    not raise after it and lose the ``--json`` results): None when it can be written."""
     if folder:
         if os.path.exists(out) and not os.path.isdir(out):
             return f"--out {out!r}: bench all writes a folder (latest.json, latest.md), and this is a file"

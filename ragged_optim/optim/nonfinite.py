@@ -104,8 +104,8 @@ def _agreement_groups(params: list[Tensor]) -> list:
     agree ([] when no param is distributed). One mesh (1-D, or HSDP's shard x replicate grid): its shard group,
     then its replicate group (a flag reduced along the rows, then along the columns, is the whole grid's); groups
     are told apart by their ranks, so two group objects over the same ranks are one. Params on several meshes:
-    the world. Never the world for one mesh: ranks outside it may be busy with other work (before, they made the
-    step hang, and two HSDP jobs in one world skipped each other's steps)."""
+    the world. Never the world for one mesh: ranks outside it may be busy with other work (the step would hang,
+    and two HSDP jobs in one world would skip each other's steps)."""
     pairs = {}  # by object first: the ranks of each distinct pair are looked up once (this runs every step)
     for p in params:
         info = shard_info(p)

@@ -49,7 +49,7 @@ class Checkpointer:
 
         final = os.path.join(self.dir, f"step_{step:08d}")
         # a folder of this save's own (rank 0 names it): two runs sharing --checkpoint-dir each write their own
-        # (before, both used .tmp-step_N and each rank 0 deleted the other's)
+        # (a shared .tmp-step_N would let each run's rank 0 delete the other's)
         tmp = None
         if self.rank == 0:
             os.makedirs(self.dir, exist_ok=True)

@@ -101,8 +101,8 @@ class TrainConfig:
 
     def eval_interval(self) -> int:
         """Steps between validation losses: ``eval_every``, or when None ``steps // 8`` (at least 1), so that a run
-        of any length draws at least 8 points of its validation curve (before, the default of 50 drew one point at
-        --steps 50). 0: only after the last step."""
+        of any length draws at least 8 points of its validation curve (a fixed 50 would draw one at --steps 50).
+        0: only after the last step."""
         if self.eval_every is not None:
             return self.eval_every
         return max(1, self.steps // MIN_EVALS)

@@ -298,7 +298,7 @@ def run(cfg: TrainConfig) -> dict | None:
 
 def _check_seq_len(cfg: TrainConfig) -> None:
     """Every sequence is a window of the text (the validation split is the shorter): a longer --seq-len is refused
-    here (before: minutes of silence)."""
+    here, not after minutes of silence."""
     val = len(load_corpus().val)
     seq_len = cfg.seq_len or get_config(cfg.preset).seq_len
     if seq_len + 1 > val:
