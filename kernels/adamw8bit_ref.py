@@ -1,10 +1,12 @@
-"""Plain-torch reference of the fused 8-bit AdamW step (any device; the dispatcher sends CPU tensors here).
+"""Plain-torch reference of the fused 8-bit AdamW step (any device; the dispatcher sends CPU tensors here), for
+any pair of state formats: the fused kernel's pair (``"dynamic"``, ``"dynamic_unsigned"``) by default, other pairs
+for the optimizer's unfused path, which compares quantization maps.
 
 Per block, in this exact order of fp32 operations (the Triton kernel performs the same ones; every constant is an
 fp32 value computed once on the host by :func:`adamw8bit_constants`). The second moment is stored as its square
 root ``r = sqrt(v)`` (see :mod:`ragged_optim.kernels.adamw8bit`):
 
-    m = table_s[m_code] * m_scale             r = table_u[v_code] * v_scale;  v = r * r
+    m = dequantize(m_code, m_scale, m_fmt)    r = dequantize(v_code, v_scale, v_fmt);  v = r * r
     p = p * decay                             decay = 1 - lr * weight_decay
     m = b1 * m + c1 * g                       c1 = 1 - b1
     v = b2 * v + (c2 * g) * g                 c2 = 1 - b2 (c2 * g first: g * g overflows at 1.8e19)
@@ -14,7 +16,7 @@ root ``r = sqrt(v)`` (see :mod:`ragged_optim.kernels.adamw8bit`):
     m = bound if m > bound; -bound if m < -bound; else m
     denom = r * inv_sqrt_bc2 + eps            inv_sqrt_bc2 = 1 / sqrt(1 - b2**step)
     p = p - step_size * (m / denom)           step_size = lr / (1 - b1**step)
-    m_code, m_scale = quantize(m, "dynamic");  v_code, v_scale = quantize(r, "dynamic_unsigned")
+    m_code, m_scale = quantize(m, m_fmt);  v_code, v_scale = quantize(r, v_fmt)
 
 No multiply-add is fused and every division and square root is IEEE round-to-nearest. A bf16 or fp16 ``p`` is
 read as fp32, updated as above and stored rounded to the nearest (even) value once, at the end. Note: torch's CPU
@@ -32,6 +34,8 @@ from .quant_ref import block_rows, chunk_elems_for, dequantize_rows, quantize_ro
 # The largest float32. A gradient beyond ~1e19 makes v overflow to inf; an inf block scale then turned every
 # code of the block into NaN (0 * inf) or inf at the next step, for good.
 FLT_MAX = float(torch.finfo(torch.float32).max)
+#: (first moment format, second moment format) of the fused kernel.
+FUSED_FORMATS = ("dynamic", "dynamic_unsigned")
 
 
 def ieee_sqrt_(t: torch.Tensor) -> torch.Tensor:
@@ -52,15 +56,19 @@ def adamw8bit_ref(
     v_scales: torch.Tensor,
     block_size: int,
     consts: tuple[float, ...],
+    formats: tuple[str, str] = FUSED_FORMATS,
 ) -> None:
+    """One step on flat, contiguous ``p``/``g`` and their state, in place; ``formats`` = ``(m_fmt, v_fmt)`` of the
+    codes; ``consts``: :func:`adamw8bit_constants` followed by the first moment's bound ``C_t``."""
     decay, b1, c1, b2, c2, inv_sqrt_bc2, eps, step_size, m_bound = consts
+    m_fmt, v_fmt = formats
     for e0, b0, rows, n in block_rows(p.numel(), block_size, chunk_elems_for(p.device)):
         e1 = e0 + rows * n
         p_out = p[e0:e1].view(rows, n)
         pb = p_out if p_out.dtype == torch.float32 else p_out.float()
         gb = g[e0:e1].view(rows, n).float()
-        m = dequantize_rows(m_codes[e0:e1].view(rows, n), m_scales[b0 : b0 + rows], "dynamic")
-        r = dequantize_rows(v_codes[e0:e1].view(rows, n), v_scales[b0 : b0 + rows], "dynamic_unsigned")
+        m = dequantize_rows(m_codes[e0:e1].view(rows, n), m_scales[b0 : b0 + rows], m_fmt)
+        r = dequantize_rows(v_codes[e0:e1].view(rows, n), v_scales[b0 : b0 + rows], v_fmt)
         v = r.mul_(r)
         pb.mul_(decay)
         m.mul_(b1).add_(gb * c1)
@@ -72,8 +80,8 @@ def adamw8bit_ref(
         pb.sub_(torch.div(m, denom).mul_(step_size))
         if pb is not p_out:
             p_out.copy_(pb)
-        mc, ms = quantize_rows(m, "dynamic")
-        vc, vs = quantize_rows(r, "dynamic_unsigned")
+        mc, ms = quantize_rows(m, m_fmt)
+        vc, vs = quantize_rows(r, v_fmt)
         m_codes[e0:e1].copy_(mc.view(-1))
         m_scales[b0 : b0 + rows].copy_(ms)
         v_codes[e0:e1].copy_(vc.view(-1))

@@ -155,6 +155,35 @@ def test_matches_torch_muon(nesterov, weight_decay, adjust_lr, capsys):
         assert torch.equal(ours.state[p]["momentum_buffer"], theirs.state[q]["momentum_buffer"])
 
 
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+@pytest.mark.parametrize("adjust_lr", ["original", "match_rms_adamw"])
+def test_pure_muon_update_is_torch_muon(nesterov, weight_decay, adjust_lr):
+    """``muon_update``, the algorithm as one function of one matrix (no optimizer class), steps as
+    ``torch.optim.Muon`` does: params and momentum buffers bit for bit over 4 steps."""
+    from ragged_optim.optim.muon import NewtonSchulzSettings, muon_update
+
+    ps = make_params(SHAPES)
+    qs = clone_params(ps)
+    bufs = [torch.zeros_like(p) for p in ps]
+    theirs = torch.optim.Muon(qs, lr=0.02, momentum=0.9, nesterov=nesterov, weight_decay=weight_decay,
+                              adjust_lr_fn=adjust_lr)  # fmt: skip
+    ns = NewtonSchulzSettings(DEFAULT_NS_STEPS, tuple(DEFAULT_NS_COEFFICIENTS), DEFAULT_NS_EPS, torch.bfloat16)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(4):
+        grads = [torch.randn(p.shape, generator=gen) for p in ps]
+        with torch.no_grad():
+            for p, g, b in zip(ps, grads, bufs):
+                muon_update(p, g, b, lr=0.02, momentum=0.9, nesterov=nesterov, weight_decay=weight_decay,
+                            adjust_lr_mode=adjust_lr, ns=ns, matmul="native")  # fmt: skip
+        for q, g in zip(qs, grads):
+            q.grad = g.clone()
+        theirs.step()
+    for p, q, b in zip(ps, qs, bufs):
+        assert torch.equal(p, q), (tuple(p.shape), rel_diff(p, q))
+        assert torch.equal(b, theirs.state[q]["momentum_buffer"])
+
+
 def test_fp32_ns_tracks_float64_muon_and_bf16_gap(capsys):
     """ns_dtype=float32 (torch has no such option) against torch.optim.Muon with its iteration in float64
     (tests/ns_reference.py): the gap is fp32 rounding inside NS, bounded by the gap torch.optim.Muon with the same

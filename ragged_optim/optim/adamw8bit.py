@@ -4,7 +4,7 @@ Both moments of a param with at least ``min_8bit_size`` elements (its full size)
 element and one fp32 scale per block of ``block_size`` consecutive elements of the flattened param. Each step runs
 the kernels layer's fused update (:func:`ragged_optim.kernels.adamw8bit_step`): dequantize both moments, AdamW,
 requantize, one pass per block. Smaller params keep fp32 ``exp_avg``/``exp_avg_sq`` and take torch.optim.AdamW's
-exact arithmetic (:func:`ragged_optim.optim.muon.adamw_update_`).
+exact arithmetic (:func:`ragged_optim.optim.adamw.adamw_update_`).
 
 The three kinds of params (see :mod:`ragged_optim.optim.base`):
 
@@ -51,7 +51,8 @@ from ragged_optim.kernels import (
     num_blocks,
     quantize_blockwise,
 )
-from ragged_optim.kernels.adamw8bit_ref import FLT_MAX, ieee_sqrt_
+from ragged_optim.kernels.adamw8bit_ref import adamw8bit_ref, ieee_sqrt_
+from ragged_optim.optim.adamw import adamw_group_update_
 from ragged_optim.optim.base import (
     full_shape,
     is_dtensor,
@@ -62,7 +63,6 @@ from ragged_optim.optim.base import (
     process_group,
     runs_of_rank,
 )
-from ragged_optim.optim.muon import adamw_group_update_
 from ragged_optim.optim.optimizer import RaggedOptimizer, check_eps_in_dtype, check_int, check_real, check_reals
 from ragged_optim.sharding import BlockSpec, shard_info
 from ragged_optim.sharding.dtensor_layout import check_placements
@@ -496,21 +496,12 @@ class AdamW8bit(RaggedOptimizer):
             weight_decay=group["weight_decay"],
             m_bound=adamw8bit_m_bound_of(state["m_bound_sq"]),
         )
+        state_args = (s["exp_avg_codes"], s["exp_avg_scales"], s["exp_avg_sq_codes"], s["exp_avg_sq_scales"])
         if group["qmaps"] == DEFAULT_QMAPS:
-            adamw8bit_step(
-                pv,
-                gv,
-                s["exp_avg_codes"],
-                s["exp_avg_scales"],
-                s["exp_avg_sq_codes"],
-                s["exp_avg_sq_scales"],
-                beta1=b1,
-                beta2=b2,
-                block_size=bs,
-                **kw,
-            )
-        else:
-            _unfused_step(pv, gv, s, group["qmaps"], bs, beta1=b1, beta2=b2, **kw)
+            adamw8bit_step(pv, gv, *state_args, beta1=b1, beta2=b2, block_size=bs, **kw)
+        else:  # other formats: the fused kernel's torch reference, the same fp32 arithmetic for any pair
+            consts = adamw8bit_constants(kw["step"], kw["lr"], b1, b2, kw["eps"], kw["weight_decay"])
+            adamw8bit_ref(pv, gv, *state_args, bs, (*consts, kw["m_bound"]), formats=group["qmaps"])
 
     def _step_8bit(self, p: Tensor, grad: Tensor, group: dict[str, Any]) -> tuple | None:
         """Updates the blocks this rank holds whole; for a DTensor param returns ``(p, flat local param, flat
@@ -619,42 +610,3 @@ class AdamW8bit(RaggedOptimizer):
         if cut:
             self._cut_blocks(cut)
         return loss
-
-
-def _unfused_step(
-    p: Tensor,
-    g: Tensor,
-    state: dict,
-    qmaps: tuple[str, str],
-    block_size: int,
-    *,
-    step: int,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    m_bound: float,
-) -> None:
-    """The fused kernel's arithmetic, in the same fp32 order, for any pair of formats (three passes)."""
-    decay, b1, c1, b2, c2, inv_sqrt_bc2, eps32, step_size = adamw8bit_constants(
-        step, lr, beta1, beta2, eps, weight_decay
-    )
-    m_fmt, v_fmt = qmaps
-    p_out, p = p, (p if p.dtype == torch.float32 else p.float())  # a bf16/fp16 param: computed in fp32
-    m = dequantize_blockwise(state["exp_avg_codes"], state["exp_avg_scales"], block_size, m_fmt)
-    r = dequantize_blockwise(state["exp_avg_sq_codes"], state["exp_avg_sq_scales"], block_size, v_fmt)
-    v = r.mul_(r)  # the state holds sqrt(v)
-    gf = g.float()
-    p.mul_(decay)
-    m.mul_(b1).add_(gf * c1)
-    v.mul_(b2).add_((gf * c2).mul_(gf)).clamp_(max=FLT_MAX)  # (kernels/adamw8bit_ref.py: the order, the clamp)
-    r = ieee_sqrt_(v)
-    bound = r * m_bound
-    m = torch.where(m > bound, bound, torch.where(m < -bound, -bound, m))
-    denom = (r * inv_sqrt_bc2).add_(eps32)
-    p.sub_(torch.div(m, denom).mul_(step_size))
-    if p is not p_out:
-        p_out.copy_(p)
-    quantize_blockwise(m, block_size, m_fmt, codes=state["exp_avg_codes"], scales=state["exp_avg_scales"])
-    quantize_blockwise(r, block_size, v_fmt, codes=state["exp_avg_sq_codes"], scales=state["exp_avg_sq_scales"])

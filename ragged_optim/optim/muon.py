@@ -1,23 +1,25 @@
 """Muon for hidden-layer matrices, AdamW for everything else, in one ``torch.optim.Optimizer``.
 
-A Muon step has three phases, kept apart so that a sharded subclass can replace only the middle one:
+The algorithm is the pure functions at the top, one Muon step of one matrix in :func:`muon_update` (read it against
+torch.optim.Muon's ``_single_tensor_muon`` or Keller Jordan's ``muon_update``): momentum and the Nesterov blend
+(:func:`muon_momentum_`), Newton-Schulz on the update's matrix view (:func:`muon_orthogonalize`), the shape-adjusted
+lr (:func:`adjust_lr`) and decoupled weight decay (:func:`muon_apply_`). AdamW params take torch.optim.AdamW's
+elementwise step (:mod:`ragged_optim.optim.adamw`), so they work on shards unchanged.
 
-(a) **local, elementwise** (:meth:`Muon._local_muon_update`): decoupled weight decay ``p *= 1 - lr * wd``, momentum
-    ``buf.lerp_(grad, 1 - momentum)`` and the Nesterov blend ``u = grad.lerp(buf, momentum)`` (``u = buf``
-    without Nesterov). Works on whatever tensor ``p`` is: a whole param or one rank's shard of it.
-    On a GPU :meth:`Muon.step` runs the in-place parts for all of a group's params as one foreach op each; on a
-    CPU per param, right before that param's Newton-Schulz (``foreach``), and the decay right before its phase (c),
-    while ``p`` is in cache (torch.optim.Muon's order).
-(b) **matrix** (:meth:`Muon._orthogonalize_updates`): Newton-Schulz on each update viewed as its matrix (2-D as is,
-    a 3-D stack ``[E, R, C]`` as E matrices, 4-D+ conv weights flattened to ``[out, rest]``), batched by shape.
-(c) **local, elementwise** (:meth:`Muon._apply_muon_update`): ``p.add_(o, alpha=-adjusted_lr)`` where the adjusted
-    lr comes from :meth:`Muon._matrix_shape`, so a sharded param reports its *full* matrix shape.
+:class:`Muon` holds the distribution plumbing: which of those functions runs where and when, on whatever tensor a
+param is (whole, or one rank's shard). Each Muon param takes one of two paths:
 
-AdamW params only ever take elementwise steps (:func:`adamw_update_`), so they work on shards unchanged.
+- **held whole here** (a plain tensor, or a sharded param this rank holds whole): the three functions in a row, one
+  param at a time, as torch does; on a CPU small same-shape matrices share one batched Newton-Schulz
+  (:mod:`ragged_optim.optim.muon_batches`) where that gives each matrix its own result exactly.
+- **cut** (a rank boundary cuts one of its matrices; or held in part): Newton-Schulz through the block API
+  (:meth:`Muon._orthogonalize_updates`, :meth:`~ragged_optim.optim.blocks.BlockOptimizer.map_blocks`), which
+  gathers each cut matrix whole to its owner rank and scatters the result back.
 
-Numerics of the Muon params match ``torch.optim.Muon`` (same op sequence; with ``ns_matmul="native"`` bitwise on
-CPU in our tests), and of the AdamW params match ``torch.optim.AdamW`` (single-tensor path, bitwise), computed with
-foreach ops for all of a group's AdamW params at once (:func:`adamw_foreach_update_`).
+The momentum runs per param on a CPU (right before that param's Newton-Schulz, while its tensors are in cache) and
+as one foreach op per group on a GPU; the decay comes right before the param's update, or with the momentum as one
+foreach op. Every arrangement gives the same bits: the Muon params match ``torch.optim.Muon`` (with
+``ns_matmul="native"`` bitwise on CPU in our tests), the AdamW params ``torch.optim.AdamW`` (bitwise).
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -39,15 +42,36 @@ from ragged_optim.kernels.newton_schulz import (
     batched_is_exact,
     newton_schulz,
 )
-from ragged_optim.optim.base import full_shape, is_dtensor, local, on_foreach_device, scalar
+from ragged_optim.optim.adamw import adamw_group_update_, foreach_rounds_scalars
+from ragged_optim.optim.base import full_shape, is_dtensor, local, on_foreach_device
 from ragged_optim.optim.blocks import check_wire_dtype
 from ragged_optim.optim.muon_batches import SmallMatrixBatch, SmallMatrixBatches
-from ragged_optim.optim.optimizer import RaggedOptimizer, check_bool, check_eps_in_dtype, check_real, check_reals
+from ragged_optim.optim.muon_groups import (  # (the two key lists: routing.py reads them from here)
+    ADAMW_GROUP_KEYS,
+    ADJUST_LR_MODES,
+    MUON_GROUP_KEYS,
+    make_group,
+    split_by_shape,
+    unused_keys,
+    validate_group,
+)
+from ragged_optim.optim.optimizer import RaggedOptimizer, check_eps_in_dtype
 from ragged_optim.sharding import BlockSpec, shard_info
 from ragged_optim.sharding.owner_balance import newton_schulz_cost
 from ragged_optim.sharding.state_schema import Elem, Replicated
 
-__all__ = ["Muon", "MuonItem", "adamw_update_", "adjust_lr", "BF16_NS_REL_TOL"]
+__all__ = [
+    "BF16_NS_REL_TOL",
+    "Muon",
+    "MuonItem",
+    "NewtonSchulzSettings",
+    "adjust_lr",
+    "matrix_shape",
+    "muon_apply_",
+    "muon_momentum_",
+    "muon_orthogonalize",
+    "muon_update",
+]
 
 #: The size of bf16 Newton-Schulz rounding noise, relative: ``max|O_bf16 - O_fp32| / max|O_fp32|`` for one
 #: orthogonalized update, and ``max|p_a - p_b| / max|p_b - p_0|`` for params after k Muon steps. A figure measured on
@@ -58,41 +82,27 @@ __all__ = ["Muon", "MuonItem", "adamw_update_", "adjust_lr", "BF16_NS_REL_TOL"]
 #: the same run (tests/ns_reference.py).
 BF16_NS_REL_TOL = 5e-2
 
-_ADJUST_LR_MODES = ("original", "match_rms_adamw")
-# Group keys that only mean something for one kind of group; the other kind's groups do not keep them.
-_MUON_ONLY_KEYS = ("momentum", "nesterov", "ns_steps", "ns_coefficients", "adjust_lr", "ns_dtype")
-_ADAMW_ONLY_KEYS = ("betas",)
-#: The hyperparameter keys of a Muon group (``use_muon=True``), and of an AdamW one.
-MUON_GROUP_KEYS = ("lr", "eps", "weight_decay", *_MUON_ONLY_KEYS)
-ADAMW_GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")
-_ADAMW_PREFIXED = tuple(f"adamw_{k}" for k in ADAMW_GROUP_KEYS)  # the constructor's defaults for AdamW groups
+# ---------------------------------------------------------------------- the algorithm, one matrix at a time
 
 
-#: The methods of phases (b) and (c); a subclass that overrides one of them keeps every param on that path.
-_PHASE_BC_METHODS = ("_orthogonalize_updates", "_orthogonalize_blocks", "_apply_muon_update")
+@dataclass(frozen=True)
+class NewtonSchulzSettings:
+    """A Muon group's Newton-Schulz iteration, read from its plain keys (``ns_steps``, ``ns_coefficients``, ``eps``,
+    ``ns_dtype``: the group keeps those, so LR schedulers and state dicts see plain values). Hashable: matrices with
+    equal settings may share a batch."""
 
+    steps: int
+    coefficients: tuple[float, ...]
+    eps: float
+    dtype: torch.dtype
 
-#: A group's Newton-Schulz settings, as :func:`newton_schulz` names them (:func:`_ns_settings` reads them).
-_NS_SETTINGS = ("steps", "coefficients", "eps", "dtype")
+    @classmethod
+    def of(cls, group: dict[str, Any]) -> NewtonSchulzSettings:
+        return cls(group["ns_steps"], tuple(group["ns_coefficients"]), group["eps"], group["ns_dtype"])
 
-
-def _decay_(p: Tensor, factor: float) -> None:
-    """Decoupled weight decay ``p *= factor`` (nothing when the factor is 1)."""
-    if factor != 1:
-        local(p).mul_(factor)
-
-
-def _ns_settings(group: dict) -> tuple:
-    """The values of :data:`_NS_SETTINGS` for a Muon group (hashable: matrices with equal ones may share a batch)."""
-    return group["ns_steps"], tuple(group["ns_coefficients"]), group["eps"], group["ns_dtype"]
-
-
-class MuonItem(NamedTuple):
-    """One Muon param's update on its way from phase (a) to phase (b)/(c) of :meth:`Muon.step`."""
-
-    param: Tensor  # the param tensor as the optimizer holds it (whole, or a shard)
-    update: Tensor  # the momentum/Nesterov update, same shape as ``param``
-    group: dict  # the param group (ns_steps, ns_coefficients, eps, ns_dtype, lr, adjust_lr)
+    def kwargs(self) -> dict[str, Any]:
+        """The settings as :func:`newton_schulz`'s keyword arguments."""
+        return dict(steps=self.steps, coefficients=self.coefficients, eps=self.eps, dtype=self.dtype)
 
 
 def adjust_lr(lr: float, mode: str | None, matrix_shape: tuple[int, int]) -> float:
@@ -107,117 +117,82 @@ def adjust_lr(lr: float, mode: str | None, matrix_shape: tuple[int, int]) -> flo
     elif mode == "match_rms_adamw":
         ratio = 0.2 * math.sqrt(max(m, n))
     else:
-        raise ValueError(f"adjust_lr must be one of {_ADJUST_LR_MODES}, got {mode!r}")
+        raise ValueError(f"adjust_lr must be one of {ADJUST_LR_MODES}, got {mode!r}")
     return lr * ratio
 
 
-def adamw_update_(
-    p: Tensor,
+def matrix_shape(shape: Sequence[int]) -> tuple[int, int]:
+    """The (m, n) of the matrix (or of each matrix of a stack) a param of ``shape`` is: 2-D as is, 3-D ``[E, R, C]``
+    as E matrices ``R x C``, 4-D and up (conv) flattened to ``[shape[0], prod(rest)]``."""
+    if len(shape) == 2 or len(shape) == 3:
+        return int(shape[-2]), int(shape[-1])
+    if len(shape) >= 4:
+        return int(shape[0]), int(math.prod(shape[1:]))
+    raise ValueError(f"a {len(shape)}-D tensor of shape {tuple(shape)} has no matrix shape")
+
+
+def muon_momentum_(momentum_buffer: Tensor, grad: Tensor, momentum: float, nesterov: bool) -> Tensor:
+    """Momentum in place (``buf.lerp_(grad, 1 - momentum)``), then the update to orthogonalize: the Nesterov blend
+    ``grad.lerp(buf, momentum)``, or the buffer itself. Elementwise: works on a shard."""
+    momentum_buffer.lerp_(grad, 1 - momentum)
+    return grad.lerp(momentum_buffer, momentum) if nesterov else momentum_buffer
+
+
+def muon_orthogonalize(update: Tensor, shape: Sequence[int], ns: NewtonSchulzSettings, matmul: str) -> Tensor:
+    """Newton-Schulz on the whole (contiguous) ``update`` of a param of ``shape``, viewed as its matrix or stack of
+    matrices (:func:`matrix_shape`'s view); the result is in ``ns.dtype``, shaped like that view."""
+    want = tuple(shape) if len(shape) <= 3 else (shape[0], update.numel() // shape[0])
+    matrices = update if tuple(update.shape) == want else update.view(want)
+    return newton_schulz(matrices, **ns.kwargs(), matmul=matmul, out_dtype=ns.dtype)
+
+
+def muon_apply_(param: Tensor, ortho: Tensor, *, lr: float, decay: float) -> None:
+    """Decoupled weight decay ``p *= decay``, then ``p -= lr * ortho`` (torch.optim.Muon's order). ``lr``: the
+    shape-adjusted lr (:func:`adjust_lr`); ``decay``: ``1 - lr * weight_decay`` with the group's lr as it is (1:
+    none). ``param`` is a plain tensor holding the matrices of ``ortho``."""
+    if decay != 1:
+        param.mul_(decay)
+    # (an op on an nn.Parameter costs the host a __torch_function__ round: no view unless the shape differs)
+    (param if param.shape == ortho.shape else param.view(ortho.shape)).add_(ortho, alpha=-lr)
+
+
+def muon_update(
+    param: Tensor,
     grad: Tensor,
-    state: dict,
+    momentum_buffer: Tensor,
     *,
     lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
+    momentum: float,
+    nesterov: bool,
     weight_decay: float,
+    adjust_lr_mode: str | None,
+    ns: NewtonSchulzSettings,
+    matmul: str = "native",
 ) -> None:
-    """One AdamW step on ``p`` in place; elementwise only, so ``p``/``grad`` may be a shard.
+    """One Muon step of one param held whole, in place on ``param`` and ``momentum_buffer``: the algorithm.
 
-    Same op sequence as ``torch.optim.AdamW``'s single-tensor path (bitwise equal results). ``state`` holds
-    ``step`` (a float32 scalar tensor), ``exp_avg`` and ``exp_avg_sq`` (created here on first use).
-    """
-    if "step" not in state:
-        state["step"] = torch.tensor(0.0, dtype=torch.float32, device="cpu")
-        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-    step_t, exp_avg, exp_avg_sq = state["step"], state["exp_avg"], state["exp_avg_sq"]
-    step_t += 1
-    if weight_decay != 0:
-        p.mul_(1 - lr * weight_decay)
-    exp_avg.lerp_(grad, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    step = step_t.item()
-    bias_correction1 = 1 - beta1**step
-    bias_correction2 = 1 - beta2**step
-    step_size = lr / bias_correction1
-    denom = (exp_avg_sq.sqrt() / bias_correction2**0.5).add_(eps)
-    p.addcdiv_(exp_avg, denom, value=-step_size)
+    :class:`Muon` runs these same functions, split where distribution or batching needs it (the momentum of a
+    group as one foreach op, Newton-Schulz of a cut matrix on its owner rank): the same bits."""
+    update = muon_momentum_(momentum_buffer, grad, momentum, nesterov)
+    ortho = muon_orthogonalize(update, param.shape, ns, matmul)
+    muon_apply_(param, ortho, lr=adjust_lr(lr, adjust_lr_mode, matrix_shape(param.shape)), decay=1 - lr * weight_decay)
 
 
-def _foreach_rounds_scalars(device: torch.device, dtype: torch.dtype) -> bool:
-    """True where torch's foreach ops round a Python scalar to the tensors' dtype before using it (CPU, bf16/fp16:
-    ``torch._foreach_mul_([t], 0.95)`` != ``t.mul_(0.95)``), so they cannot stand in for the single-tensor ops."""
-    return device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
+# ---------------------------------------------------------------------- the optimizer: where each piece runs
 
 
-def adamw_foreach_update_(
-    params: list[Tensor],
-    grads: list[Tensor],
-    states: list[dict],
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-) -> None:
-    """:func:`adamw_update_` on many params at once with ``torch._foreach_*`` ops (one multi-tensor kernel per
-    operation on a GPU instead of one kernel per param and operation), grouped by device and dtype.
-
-    Every element goes through the same fp32 operations as :func:`adamw_update_` (torch.optim.AdamW's
-    single-tensor path): lerp, mul + addcmul, sqrt, divide by ``sqrt(1 - beta2**step)``, add eps, addcdiv with
-    ``-lr / (1 - beta1**step)``; the results are bitwise equal (tests/test_muon_plain.py, test_adamw8bit.py). The
-    per-param bias corrections read ``step``, a CPU scalar tensor as in torch: no device sync. bf16 and fp16 params
-    on a CPU go one by one: there torch's foreach ops round a scalar to the tensor's dtype first (``eps``,
-    ``beta2``), where the single-tensor ops compute with it in fp32."""
-    buckets: dict[tuple, list[int]] = {}
-    for k, (p, state) in enumerate(zip(params, states)):
-        if "step" not in state:
-            state["step"] = torch.tensor(0.0, dtype=torch.float32, device="cpu")
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        buckets.setdefault((p.device, p.dtype, grads[k].dtype), []).append(k)
-    kw = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
-    for (device, dtype, _), idx in buckets.items():
-        if _foreach_rounds_scalars(device, dtype):
-            for k in idx:
-                adamw_update_(params[k], grads[k], states[k], **kw)
-            continue
-        ps = [params[k] for k in idx]
-        gs = [grads[k] for k in idx]
-        steps = [states[k]["step"] for k in idx]
-        exp_avgs = [states[k]["exp_avg"] for k in idx]
-        exp_avg_sqs = [states[k]["exp_avg_sq"] for k in idx]
-        torch._foreach_add_(steps, 1)
-        if weight_decay != 0:
-            torch._foreach_mul_(ps, 1 - lr * weight_decay)
-        torch._foreach_lerp_(exp_avgs, gs, 1 - beta1)
-        torch._foreach_mul_(exp_avg_sqs, beta2)
-        torch._foreach_addcmul_(exp_avg_sqs, gs, gs, value=1 - beta2)
-        step_values = [s.item() for s in steps]  # CPU scalars
-        denom = torch._foreach_sqrt(exp_avg_sqs)
-        torch._foreach_div_(denom, [(1 - beta2**s) ** 0.5 for s in step_values])
-        torch._foreach_add_(denom, eps)
-        torch._foreach_addcdiv_(ps, exp_avgs, denom, [-(lr / (1 - beta1**s)) for s in step_values])
+def _decay_(p: Tensor, factor: float) -> None:
+    """Decoupled weight decay ``p *= factor`` on this rank's elements of ``p`` (nothing when the factor is 1)."""
+    if factor != 1:
+        local(p).mul_(factor)
 
 
-def adamw_group_update_(
-    params: list[Tensor], grads: list[Tensor], states: list[dict], group: dict, foreach: bool = True
-) -> None:
-    """AdamW with the hyperparameters of an AdamW param group (``lr``, ``betas``, ``eps``, ``weight_decay``) on this
-    rank's local elements of each param and grad: :func:`adamw_foreach_update_`, or :func:`adamw_update_` per param
-    when not ``foreach`` (the same bits)."""
-    if not params:
-        return
-    beta1, beta2 = group["betas"]
-    ps, gs = [local(p) for p in params], [local(g) for g in grads]
-    kw = dict(lr=scalar(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"])
-    if foreach:
-        adamw_foreach_update_(ps, gs, states, **kw)
-    else:
-        for p, g, state in zip(ps, gs, states):
-            adamw_update_(p, g, state, **kw)
+class MuonItem(NamedTuple):
+    """One Muon param's update on its way from its momentum to its Newton-Schulz and update."""
+
+    param: Tensor  # the param tensor as the optimizer holds it (whole, or a shard)
+    update: Tensor  # the momentum/Nesterov update, same shape as ``param``
+    group: dict  # the param group (ns_steps, ns_coefficients, eps, ns_dtype, lr, adjust_lr)
 
 
 class Muon(RaggedOptimizer):
@@ -284,6 +259,21 @@ class Muon(RaggedOptimizer):
     #: all of a step's cut params (all alive at once). Not applied with ``ns_batched_matmul=True``, which asks every
     #: update to wait for its batch.
     exchange_max_bytes: int | str | None = "auto"
+
+    # How a subclass reshapes the step. Each flag may be set in a subclass's body; where it is not,
+    # __init_subclass__ derives it from the methods the subclass defines, so that an override is always called.
+    #: True: every Muon param's momentum (and decay) goes through :meth:`_local_muon_update`, one param at a time,
+    #: never the group's foreach ops. Default for a subclass that defines ``_local_muon_update``.
+    per_param_momentum: bool = False
+    #: False: every Muon param goes through :meth:`_orthogonalize_updates` and :meth:`_apply_muon_update` (the cut
+    #: path), none straight to Newton-Schulz as a matrix held whole. Default for a subclass that defines one of
+    #: :data:`_CUT_PATH_METHODS`.
+    whole_matrix_path: bool = True
+    #: False: every param held whole goes through :meth:`_finish_whole_param`, none into a small-matrix batch.
+    #: Default for a subclass that defines ``_finish_whole_param``.
+    batch_small_matrices: bool = True
+    _CUT_PATH_METHODS = ("_orthogonalize_updates", "_orthogonalize_blocks", "_apply_muon_update")
+
     _settings_attrs = (
         *RaggedOptimizer._settings_attrs,
         "wire_dtype",
@@ -291,6 +281,9 @@ class Muon(RaggedOptimizer):
         "foreach",
         "ns_batched_matmul",
         "exchange_max_bytes",
+        "per_param_momentum",
+        "whole_matrix_path",
+        "batch_small_matrices",
         "_split_by_shape",
     )
 
@@ -352,6 +345,20 @@ class Muon(RaggedOptimizer):
                 stacklevel=2,
             )
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # the subclass's own body and the mixins listed before its Muon base
+        own = [cls, *(k for k in cls.__mro__[1 : cls.__mro__.index(Muon)] if not issubclass(k, Muon))]
+        defines = lambda *names: any(name in vars(k) for k in own for name in names)
+        derived = {
+            "per_param_momentum": (defines("_local_muon_update"), True),
+            "whole_matrix_path": (defines(*Muon._CUT_PATH_METHODS), False),
+            "batch_small_matrices": (defines("_finish_whole_param"), False),
+        }
+        for flag, (overridden, value) in derived.items():
+            if overridden and not any(flag in vars(k) for k in own):
+                setattr(cls, flag, value)
+
     # ------------------------------------------------------------------ groups
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -383,39 +390,19 @@ class Muon(RaggedOptimizer):
 
     def _add_split_group(self, param_group: dict[str, Any], entries: list) -> None:
         self._split_by_shape = True
-        tensor = lambda e: e[1] if isinstance(e, tuple) else e
-        # an empty matrix has nothing to orthogonalize: it goes to the AdamW half (where its step does nothing)
-        shape = lambda e: full_shape(tensor(e))
-        is_matrix = lambda e: isinstance(tensor(e), Tensor) and len(shape(e)) >= 2 and 0 not in shape(e)
-        matrices = [e for e in entries if is_matrix(e)]
-        others = [e for e in entries if not is_matrix(e)]
+        matrices, others = split_by_shape(entries)
         if matrices:
             self._add_group(param_group, matrices, use_muon=True, split=True)
         if others or not matrices:
             self._add_group(param_group, others, use_muon=False, split=True)
 
     def _add_group(self, user: dict[str, Any], entries: list, *, use_muon: bool, split: bool) -> None:
-        d = self.defaults
-        group: dict[str, Any] = {"params": entries, "use_muon": use_muon}
-        known = {"params", "use_muon", "lr", "eps", "weight_decay", *_MUON_ONLY_KEYS, *_ADAMW_PREFIXED}
-        known.update(_ADAMW_ONLY_KEYS)
-        for k, v in user.items():  # keys we do not interpret (user tags) go to every half
-            if k not in known:
-                group[k] = v
-        if use_muon:
-            for k in MUON_GROUP_KEYS:
-                group[k] = user.get(k, d[k])
-        else:
-            for short, long in (("lr", "adamw_lr"), ("betas", "adamw_betas"), ("eps", "adamw_eps")):
-                group[short] = user.get(long, d[long]) if split else user.get(short, user.get(long, d[long]))
-            wd = "adamw_weight_decay"
-            group["weight_decay"] = user.get(wd, d[wd]) if split else user.get("weight_decay", user.get(wd, d[wd]))
+        group = make_group(user, entries, self.defaults, use_muon=use_muon, split=split)
         self._validate_group(group)
         super().add_param_group(group)
         group = self.param_groups[-1]
         # Optimizer.add_param_group filled in every default; keep only the keys this kind of group uses.
-        drop = _ADAMW_PREFIXED if use_muon else (*_MUON_ONLY_KEYS, *_ADAMW_PREFIXED)
-        for k in drop:
+        for k in unused_keys(use_muon):
             group.pop(k, None)
         try:
             self._check_params(len(self.param_groups) - 1, group, explicit=not split)
@@ -426,32 +413,7 @@ class Muon(RaggedOptimizer):
     @staticmethod
     def _validate_group(g: dict[str, Any]) -> None:
         """Check a group's values (types, then ranges); normalize in place: tuples, ``adjust_lr=None``."""
-        # An AdamW group's values come from adamw_* keys as well: name both in its errors.
-        adamw = not check_bool("use_muon", g["use_muon"])
-        name = lambda k: f"AdamW {k} (adamw_{k}, or {k} of a use_muon=False group)" if adamw else k
-        lr = check_real(name("lr"), g["lr"], tensor=True)
-        if not lr >= 0.0:
-            raise ValueError(f"{name('lr')} must be >= 0, got {lr}")
-        for k in ("weight_decay", "eps"):
-            if not check_real(name(k), g[k]) >= 0.0:
-                raise ValueError(f"{name(k)} must be >= 0, got {g[k]}")
-        if g["use_muon"]:
-            if not 0.0 <= check_real("momentum", g["momentum"]) < 1.0:
-                raise ValueError(f"momentum must be in [0, 1), got {g['momentum']}")
-            check_bool("nesterov", g["nesterov"])
-            if g["adjust_lr"] is None:
-                g["adjust_lr"] = "original"
-            if g["adjust_lr"] not in _ADJUST_LR_MODES:
-                raise ValueError(f"adjust_lr must be one of {_ADJUST_LR_MODES} or None, got {g['adjust_lr']!r}")
-            if not isinstance(g["ns_steps"], int) or isinstance(g["ns_steps"], bool) or not 0 <= g["ns_steps"] < 100:
-                raise ValueError(f"ns_steps must be an int in [0, 100), got {g['ns_steps']!r}")
-            g["ns_coefficients"] = check_reals("ns_coefficients", g["ns_coefficients"], "(a, b, c)")
-            if not (isinstance(g["ns_dtype"], torch.dtype) and g["ns_dtype"].is_floating_point):
-                raise ValueError(f"ns_dtype must be a floating torch.dtype (bfloat16 or float32), got {g['ns_dtype']}")
-        else:
-            b1, b2 = g["betas"] = check_reals(name("betas"), g["betas"], "(beta1, beta2)")
-            if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
-                raise ValueError(f"AdamW betas must be in [0, 1), got {g['betas']}")
+        validate_group(g)
 
     def _group_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
         return ("use_muon", *(MUON_GROUP_KEYS if group.get("use_muon") else ADAMW_GROUP_KEYS))
@@ -491,19 +453,14 @@ class Muon(RaggedOptimizer):
                     "groups with ragged_optim.optim.muon_param_groups(model)."
                 )
 
-    # ------------------------------------------------------------------ the seam
+    # ------------------------------------------------------------------ per-param hooks
 
     def _matrix_shape(self, p: Tensor) -> tuple[int, int]:
         """The (m, n) of the matrix (or of each matrix of a stack) that ``p`` is; used for the lr adjustment.
 
         Sharded params (ragged or DTensor) report their full (unsharded) matrix shape.
         """
-        shape = full_shape(p)
-        if len(shape) == 2 or len(shape) == 3:
-            return int(shape[-2]), int(shape[-1])
-        if len(shape) >= 4:
-            return int(shape[0]), int(math.prod(shape[1:]))
-        raise ValueError(f"a {len(shape)}-D tensor of shape {tuple(shape)} has no matrix shape")
+        return matrix_shape(full_shape(p))
 
     def _momentum_buffer(self, key: Tensor, grad: Tensor) -> Tensor:
         """The momentum buffer kept under ``key`` (created as zeros like ``grad`` at its first step)."""
@@ -513,18 +470,17 @@ class Muon(RaggedOptimizer):
         return state["momentum_buffer"]
 
     def _local_muon_update(self, p: Tensor, grad: Tensor, group: dict[str, Any], key: Tensor | None = None) -> Tensor:
-        """Phase (a): weight decay, momentum and Nesterov, elementwise on ``p`` (whole or a shard); state is kept
-        under ``key`` (the param object the user gave, when ``p`` is its local shard)."""
+        """Weight decay, momentum and Nesterov, elementwise on ``p`` (whole or a shard); state is kept under ``key``
+        (the param object the user gave, when ``p`` is its local shard). :meth:`step` calls it per param when
+        :attr:`per_param_momentum` is set."""
         _decay_(p, 1 - self._group_lr(group) * group["weight_decay"])
         return self._momentum_update(p, grad, group, key)
 
     def _momentum_update(self, p: Tensor, grad: Tensor, group: dict[str, Any], key: Tensor | None = None) -> Tensor:
-        """Phase (a) less the weight decay: momentum and Nesterov (the decay reads and writes ``p`` alone, so it may
-        come at any time before phase (c) with the same bits)."""
+        """:func:`muon_momentum_` with ``p``'s buffer (the decay reads and writes ``p`` alone, so it may come at any
+        time before the update with the same bits)."""
         buf = self._momentum_buffer(p if key is None else key, grad)
-        momentum = group["momentum"]
-        buf.lerp_(grad, 1 - momentum)
-        return grad.lerp(buf, momentum) if group["nesterov"] else buf
+        return muon_momentum_(buf, grad, group["momentum"], group["nesterov"])
 
     def block_spec(self, p: Tensor, group: dict[str, Any]) -> BlockSpec | None:
         """Muon params compute on whole matrices (each matrix of a stack), computed by one owner rank."""
@@ -532,59 +488,6 @@ class Muon(RaggedOptimizer):
 
     def block_cost(self, p: Tensor, spec: BlockSpec, numel: int) -> float:
         return newton_schulz_cost(*self._matrix_shape(p))
-
-    def _orthogonalize_updates(self, items: list[MuonItem]) -> list[Tensor]:
-        """Phase (b): Newton-Schulz on every update's matrices, through the block API (:meth:`map_blocks`): a
-        matrix this rank holds whole is orthogonalized in place of its update's view; a sharded matrix is gathered
-        whole to its owner (the planner's balanced owner for ragged params, a balanced choice for DTensors) in one
-        all_to_all per process group, orthogonalized there exactly as on one process, and scattered back in one
-        more. Returns one tensor per item, shaped like its local update: the update tensor itself, overwritten (a
-        copy of it where it is the momentum buffer, without Nesterov), so that only one matrix's Newton-Schulz
-        temporaries are alive at a time and no result is kept per matrix."""
-        group_of = {id(it.param): it.group for it in items}
-        updates = [it.update if it.group["nesterov"] else it.update.clone() for it in items]
-        return self.map_blocks(
-            lambda blocks: self._orthogonalize_blocks(blocks, group_of),
-            [it.param for it in items],
-            updates,
-            out=updates,
-            wire_dtype=self._wire_dtype([it.group for it in items]),
-        )
-
-    def _orthogonalize_blocks(self, blocks: list, group_of: dict[int, dict]) -> list[Tensor]:
-        """Newton-Schulz on each block's matrix, written over the block (a view of the update, or the gathered
-        copy); with ``ns_batched_matmul`` one ``newton_schulz`` call per (shape, device, dtype, NS settings)
-        bucket, else one per matrix (the same bits: Newton-Schulz is computed one matrix at a time either way)."""
-        buckets: dict[tuple, list[int]] = {}
-        for i, b in enumerate(blocks):
-            g = group_of[id(b.param)]
-            x = b.value
-            ns = _ns_settings(g)
-            key = (tuple(x.shape), x.device, x.dtype, *ns) if self.ns_batched_matmul else (i, *ns)
-            buckets.setdefault(key, []).append(i)
-        for key, idx in buckets.items():
-            kw = dict(zip(_NS_SETTINGS, key[-len(_NS_SETTINGS) :]))
-            kw.update(batched_matmul=self.ns_batched_matmul, matmul=self.ns_matmul)
-            if len(idx) == 1:
-                blocks[idx[0]].value.copy_(newton_schulz(blocks[idx[0]].value, **kw))
-            else:
-                ortho = newton_schulz(torch.stack([blocks[i].value for i in idx]), **kw)
-                for i, o in zip(idx, ortho.unbind(0)):
-                    blocks[i].value.copy_(o)
-        return [b.value for b in blocks]
-
-    def _wire_dtype(self, groups: list[dict]) -> torch.dtype | str | None:
-        """Newton-Schulz starts by casting to ns_dtype, so sending in ns_dtype changes no bit of the result."""
-        if self.wire_dtype is not None:
-            return self.wire_dtype
-        dtypes = {g["ns_dtype"] for g in groups}
-        return dtypes.pop() if len(dtypes) == 1 else None
-
-    def _apply_muon_update(self, item: MuonItem, ortho: Tensor) -> None:
-        """Phase (c): ``p -= adjusted_lr * ortho`` with the lr adjusted for the param's (full) matrix shape."""
-        g = item.group
-        lr = adjust_lr(self._group_lr(g), g["adjust_lr"], self._matrix_shape(item.param))
-        local(item.param).add_(ortho.view(local(item.param).shape), alpha=-lr)
 
     # ------------------------------------------------------------------ step
 
@@ -596,12 +499,6 @@ class Muon(RaggedOptimizer):
             return loss
         items: list[MuonItem] = []
         self._exchange_numel: dict = {}  # per owner: the elements of the cut blocks waiting in ``items``
-        cls = type(self)
-        # a subclass that replaced a phase sees every param go through it
-        whole_ok = all(getattr(cls, m) is getattr(Muon, m) for m in _PHASE_BC_METHODS)
-        batch_small = (
-            whole_ok and self.ns_batched_matmul is None and cls._finish_whole_param is Muon._finish_whole_param
-        )
         small = SmallMatrixBatches(self._finish_small_matrices, self.ns_matmul)
         groups = []  # every grad is checked before anything changes
         for gi, group in enumerate(self.param_groups):
@@ -613,13 +510,13 @@ class Muon(RaggedOptimizer):
                     grads.append(local(grad))
             if params:  # (foreach ops refuse empty lists)
                 groups.append((group, params, grads))
-        if batch_small:
+        if self.whole_matrix_path and self.batch_small_matrices and self.ns_batched_matmul is None:
             for group, params, grads in groups:
                 if group["use_muon"] and grads[0].device.type == "cpu":  # (a GPU's step: no bucket lookups)
-                    small.plan(params, grads, dict(zip(_NS_SETTINGS, _ns_settings(group))))
+                    small.plan(params, grads, NewtonSchulzSettings.of(group))
         try:
             for group, params, grads in groups:
-                self._step_group(group, params, grads, items, small, whole_ok)
+                self._step_group(group, params, grads, items, small)
             small.finish_all()
         except BaseException:
             with contextlib.suppress(Exception):
@@ -630,38 +527,109 @@ class Muon(RaggedOptimizer):
         return loss
 
     def _step_group(self, group: dict, params: list[Tensor], grads: list[Tensor], items: list[MuonItem],
-                    small: SmallMatrixBatches, whole_ok: bool) -> None:  # fmt: skip
-        """One group of :meth:`step`: AdamW params in full; Muon params through phase (a), then finished now, or
-        waiting in ``small`` (the small matrices it planned) or in ``items`` (cut matrices; ``ns_batched_matmul``)."""
+                    small: SmallMatrixBatches) -> None:  # fmt: skip
+        """One group of :meth:`step`: AdamW params in full; each Muon param's momentum, then its path. Held whole
+        here: finished now, or waiting in ``small`` for its batch. Cut: waiting in ``items`` for one exchange (all
+        params with ``ns_batched_matmul``); held in part: through :meth:`map_blocks` now."""
         if not group["use_muon"]:
             if "momentum" in group:  # set by a scheduler that cycles momentum (OneCycleLR, CyclicLR): beta1
                 group["betas"] = (group["momentum"], group["betas"][1])
             adamw_group_update_(params, grads, [self.state[p] for p in params], group, self.foreach is not False)
             return
         lr = self._group_lr(group)
-        # decay: the weight decay factor still to apply to each param before its phase (c); 1 when done
-        decay = 1.0
-        foreach_a = type(self)._local_muon_update is Muon._local_muon_update
-        if foreach_a and (self.foreach or (self.foreach is None and on_foreach_device(grads))):
-            updates = self._local_muon_updates(params, grads, group, lr)
-        elif foreach_a:  # per param: the decay right before p's update, while p is in cache (as torch does)
-            decay = 1 - lr * group["weight_decay"]
-            updates = (self._momentum_update(local(p), g, group, key=p) for p, g in zip(params, grads))
-        else:
-            updates = (self._local_muon_update(local(p), g, group, key=p) for p, g in zip(params, grads))
-        ns_kw = dict(zip(_NS_SETTINGS, _ns_settings(group)))
+        ns = NewtonSchulzSettings.of(group)
+        updates, decay = self._momentum_updates(params, grads, group, lr)
         for p, update in zip(params, updates):
             item = MuonItem(p, update, group)
-            if self.ns_batched_matmul or self.has_cut_blocks(p):
+            if self.ns_batched_matmul or self.has_cut_blocks(p):  # cut: waits for its exchange
                 self._make_room_for(item, items)
                 _decay_(p, decay)
                 items.append(item)
-            elif small.add(p, update, group, ns_kw, lr, decay):
-                pass  # finished with its batch
-            elif not (whole_ok and self._finish_whole_param(item, ns_kw, lr, decay)):
-                # its matrices are all on their holders: done now, so one update is alive at a time
+            elif not (self.whole_matrix_path and self._step_whole_param(item, ns, lr, decay, small)):
+                # held in part here (or the whole path is off): its blocks, all on their holders, through
+                # map_blocks now, so one update is alive at a time
                 _decay_(p, decay)
                 self._finish_muon_items([item])
+
+    def _momentum_updates(self, params: list[Tensor], grads: list[Tensor], group: dict[str, Any], lr: float):
+        """Each param's update (lazily, so that one is alive at a time), and the weight decay factor still to apply
+        to each param before its update (1 when done with the momentum)."""
+        if self.per_param_momentum:
+            return (self._local_muon_update(local(p), g, group, key=p) for p, g in zip(params, grads)), 1.0
+        if self.foreach or (self.foreach is None and on_foreach_device(grads)):
+            return self._foreach_momentum_updates(params, grads, group, lr), 1.0
+        # per param: the decay right before p's update, while p is in cache (as torch does)
+        updates = (self._momentum_update(local(p), g, group, key=p) for p, g in zip(params, grads))
+        return updates, 1 - lr * group["weight_decay"]
+
+    def _foreach_momentum_updates(self, params: list[Tensor], grads: list[Tensor], group: dict[str, Any], lr: float):
+        """:meth:`_local_muon_update` for all of a group's params: the in-place parts (momentum, weight decay) as one
+        foreach op each (on a GPU a small model's step is bound by the host's cost per op), then, lazily, one
+        Nesterov update per param (so that one is alive at a time). The same bits as per param."""
+        bufs = [self._momentum_buffer(p, grad) for p, grad in zip(params, grads)]
+        momentum = group["momentum"]
+        torch._foreach_lerp_(bufs, grads, 1 - momentum)
+        wd = group["weight_decay"]
+        if wd != 0:
+            ps = [local(p) for p in params]
+            if any(foreach_rounds_scalars(p.device, p.dtype) for p in ps):
+                for p in ps:
+                    _decay_(p, 1 - lr * wd)
+            else:
+                torch._foreach_mul_(ps, 1 - lr * wd)
+        for grad, buf in zip(grads, bufs):
+            yield grad.lerp(buf, momentum) if group["nesterov"] else buf
+
+    # ------------------------------------------------------------------ matrices held whole here
+
+    def _step_whole_param(
+        self, item: MuonItem, ns: NewtonSchulzSettings, lr: float, decay: float, small: SmallMatrixBatches
+    ) -> bool:
+        """The rest of a step for a param held whole here: into its small-matrix batch, or finished now. False when
+        this rank holds part of it."""
+        return small.add(item.param, item.update, item.group, ns, lr, decay) or self._finish_whole_param(
+            item, ns, lr, decay
+        )
+
+    def _finish_whole_param(self, item: MuonItem, ns: NewtonSchulzSettings, lr: float, decay: float = 1.0) -> bool:
+        """Newton-Schulz and the update for a param this rank holds whole (a plain tensor, or a sharded param held
+        whole here) or not at all (nothing to do): :func:`muon_orthogonalize` straight on the update and
+        :func:`muon_apply_` from its ``ns_dtype`` result, as torch.optim.Muon does (the same bits as through
+        :meth:`map_blocks`, without its bookkeeping or the copy back into the update: on a GPU this step is
+        launch-bound). False when this rank holds part of the param (its blocks go through :meth:`map_blocks`).
+        ``lr``: the group's lr as a number; ``decay``: the weight decay factor still to apply to ``p`` (right
+        before its update; 1: none)."""
+        p_local, shape = local(item.param), full_shape(item.param)
+        if p_local.numel() == 0:
+            return True
+        if p_local.numel() != math.prod(shape) or not (p_local.is_contiguous() and item.update.is_contiguous()):
+            return False
+        ortho = muon_orthogonalize(item.update, shape, ns, self.ns_matmul)
+        self._add_whole_update(item.param, item.group, lr, decay, ortho)
+        return True
+
+    def _add_whole_update(self, param: Tensor, group: dict, lr: float, decay: float, ortho: Tensor) -> None:
+        """:func:`muon_apply_` for a param held whole, from its ``ns_dtype`` result, with the lr adjusted for its
+        (full) matrix shape."""
+        lr = adjust_lr(lr, group["adjust_lr"], self._matrix_shape(param))
+        muon_apply_(local(param), ortho, lr=lr, decay=decay)
+
+    def _finish_small_matrices(self, batch: SmallMatrixBatch) -> None:
+        """Newton-Schulz and the updates for same-shape whole matrices: one batched Newton-Schulz where that gives
+        each matrix its own result exactly (probed), else one call per matrix: the same bits either way."""
+        updates, ns_kw = batch.updates, batch.ns.kwargs()
+        exact = len(updates) > 1 and batched_is_exact(
+            *updates.shape, updates.dtype, updates.device, **ns_kw, matmul=self.ns_matmul
+        )
+        kw = dict(ns_kw, matmul=self.ns_matmul, out_dtype=batch.ns.dtype)
+        if exact:
+            orthos = newton_schulz(updates, batched_matmul=True, **kw).unbind(0)
+        else:
+            orthos = (newton_schulz(u, **kw) for u in updates)
+        for x, ortho in zip(batch.pending, orthos):
+            self._add_whole_update(x.param, x.group, x.lr, x.decay, ortho)
+
+    # ------------------------------------------------------------------ cut matrices, through map_blocks
 
     def _make_room_for(self, item: MuonItem, items: list[MuonItem]) -> None:
         """Finish the cut params waiting in ``items`` (one exchange) when ``item``'s blocks would take some owner past
@@ -695,70 +663,60 @@ class Muon(RaggedOptimizer):
             cached = self._auto_exchange = max(max(units.values()) // 2, 2 << 20) if units else 8 << 20
         return cached
 
-    def _local_muon_updates(self, params: list[Tensor], grads: list[Tensor], group: dict[str, Any], lr: float):
-        """Phase (a) of :meth:`_local_muon_update` for all of a group's params: the in-place parts (momentum, weight
-        decay) as one foreach op each (on a GPU a small model's step is bound by the host's cost per op), then,
-        lazily, one Nesterov update per param (so that one is alive at a time). The same bits as per param."""
-        bufs = [self._momentum_buffer(p, grad) for p, grad in zip(params, grads)]
-        momentum = group["momentum"]
-        torch._foreach_lerp_(bufs, grads, 1 - momentum)
-        wd = group["weight_decay"]
-        if wd != 0:
-            ps = [local(p) for p in params]
-            if any(_foreach_rounds_scalars(p.device, p.dtype) for p in ps):
-                for p in ps:
-                    _decay_(p, 1 - lr * wd)
-            else:
-                torch._foreach_mul_(ps, 1 - lr * wd)
-        for grad, buf in zip(grads, bufs):
-            yield grad.lerp(buf, momentum) if group["nesterov"] else buf
-
-    def _finish_whole_param(self, item: MuonItem, ns_kw: dict[str, Any], lr: float, decay: float = 1.0) -> bool:
-        """Phases (b) and (c) for a param this rank holds whole (a plain tensor, or a sharded param held whole
-        here) or not at all (nothing to do): Newton-Schulz straight on the update's matrix view and ``p -= lr * o``
-        from its ``ns_dtype`` result, as torch.optim.Muon does (the same bits as through :meth:`map_blocks`,
-        without its bookkeeping or the copy back into the update: on a GPU this step is launch-bound). False when
-        this rank holds part of the param (its blocks go through :meth:`map_blocks`). ``ns_kw``: the group's
-        Newton-Schulz settings by :func:`newton_schulz`'s names; ``lr``: the group's lr as a number; ``decay``: the
-        weight decay factor still to apply to ``p`` (right before its update; 1: none)."""
-        p_local, shape = local(item.param), full_shape(item.param)
-        if p_local.numel() == 0:
-            return True
-        if p_local.numel() != math.prod(shape) or not (p_local.is_contiguous() and item.update.is_contiguous()):
-            return False
-        want = tuple(shape) if len(shape) <= 3 else (shape[0], p_local.numel() // shape[0])
-        matrix = item.update if tuple(item.update.shape) == want else item.update.view(want)
-        ortho = newton_schulz(matrix, **ns_kw, matmul=self.ns_matmul, out_dtype=ns_kw["dtype"])
-        self._add_whole_update(item.param, item.group, lr, decay, ortho)
-        return True
-
-    def _add_whole_update(self, param: Tensor, group: dict, lr: float, decay: float, ortho: Tensor) -> None:
-        """Phase (c) for a param held whole, from its ``ns_dtype`` result: the weight decay still owed (``decay``),
-        then ``p -= adjusted_lr * ortho`` (torch.optim.Muon's order, while ``p`` is in cache)."""
-        p_local = local(param)
-        _decay_(p_local, decay)
-        lr = adjust_lr(lr, group["adjust_lr"], self._matrix_shape(param))
-        # (an op on an nn.Parameter costs the host a __torch_function__ round: no view unless the shape differs)
-        (p_local if p_local.shape == ortho.shape else p_local.view(ortho.shape)).add_(ortho, alpha=-lr)
-
-    def _finish_small_matrices(self, batch: SmallMatrixBatch) -> None:
-        """Phases (b) and (c) for same-shape whole matrices: one batched Newton-Schulz where that gives each matrix
-        its own result exactly (probed), else one call per matrix: the same bits either way."""
-        updates, ns_kw = batch.updates, batch.ns_kw
-        exact = len(updates) > 1 and batched_is_exact(
-            *updates.shape, updates.dtype, updates.device, **ns_kw, matmul=self.ns_matmul
-        )
-        kw = dict(ns_kw, matmul=self.ns_matmul, out_dtype=ns_kw["dtype"])
-        if exact:
-            orthos = newton_schulz(updates, batched_matmul=True, **kw).unbind(0)
-        else:
-            orthos = (newton_schulz(u, **kw) for u in updates)
-        for x, ortho in zip(batch.pending, orthos):
-            self._add_whole_update(x.param, x.group, x.lr, x.decay, ortho)
-
     def _finish_muon_items(self, items: list[MuonItem]) -> None:
-        """Phases (b) and (c) for ``items``: the params whose matrices a rank boundary cuts go through here together
-        (one exchange each way per process group); each other param alone, right after its phase (a), unless
-        ``ns_batched_matmul`` asks for same-shape matrices of different params to share a batch."""
+        """Newton-Schulz and the update for ``items``: the params whose matrices a rank boundary cuts go through
+        here together (one exchange each way per process group); each param held in part alone, right after its
+        momentum, unless ``ns_batched_matmul`` asks for same-shape matrices of different params to share a batch."""
         for item, ortho in zip(items, self._orthogonalize_updates(items)):
             self._apply_muon_update(item, ortho)
+
+    def _orthogonalize_updates(self, items: list[MuonItem]) -> list[Tensor]:
+        """Newton-Schulz on every update's matrices, through the block API (:meth:`map_blocks`): a
+        matrix this rank holds whole is orthogonalized in place of its update's view; a sharded matrix is gathered
+        whole to its owner (the planner's balanced owner for ragged params, a balanced choice for DTensors) in one
+        all_to_all per process group, orthogonalized there exactly as on one process, and scattered back in one
+        more. Returns one tensor per item, shaped like its local update: the update tensor itself, overwritten (a
+        copy of it where it is the momentum buffer, without Nesterov), so that only one matrix's Newton-Schulz
+        temporaries are alive at a time and no result is kept per matrix."""
+        group_of = {id(it.param): it.group for it in items}
+        updates = [it.update if it.group["nesterov"] else it.update.clone() for it in items]
+        return self.map_blocks(
+            lambda blocks: self._orthogonalize_blocks(blocks, group_of),
+            [it.param for it in items],
+            updates,
+            out=updates,
+            wire_dtype=self._wire_dtype([it.group for it in items]),
+        )
+
+    def _orthogonalize_blocks(self, blocks: list, group_of: dict[int, dict]) -> list[Tensor]:
+        """Newton-Schulz on each block's matrix, written over the block (a view of the update, or the gathered
+        copy); with ``ns_batched_matmul`` one ``newton_schulz`` call per (shape, device, dtype, NS settings)
+        bucket, else one per matrix (the same bits: Newton-Schulz is computed one matrix at a time either way)."""
+        buckets: dict[tuple, list[int]] = {}
+        for i, b in enumerate(blocks):
+            x, ns = b.value, NewtonSchulzSettings.of(group_of[id(b.param)])
+            key = (tuple(x.shape), x.device, x.dtype, ns) if self.ns_batched_matmul else (i, ns)
+            buckets.setdefault(key, []).append(i)
+        for key, idx in buckets.items():
+            kw = dict(key[-1].kwargs(), batched_matmul=self.ns_batched_matmul, matmul=self.ns_matmul)
+            if len(idx) == 1:
+                blocks[idx[0]].value.copy_(newton_schulz(blocks[idx[0]].value, **kw))
+            else:
+                ortho = newton_schulz(torch.stack([blocks[i].value for i in idx]), **kw)
+                for i, o in zip(idx, ortho.unbind(0)):
+                    blocks[i].value.copy_(o)
+        return [b.value for b in blocks]
+
+    def _wire_dtype(self, groups: list[dict]) -> torch.dtype | str | None:
+        """Newton-Schulz starts by casting to ns_dtype, so sending in ns_dtype changes no bit of the result."""
+        if self.wire_dtype is not None:
+            return self.wire_dtype
+        dtypes = {g["ns_dtype"] for g in groups}
+        return dtypes.pop() if len(dtypes) == 1 else None
+
+    def _apply_muon_update(self, item: MuonItem, ortho: Tensor) -> None:
+        """``p -= adjusted_lr * ortho`` (:func:`muon_apply_`; the decay is done) with the lr adjusted for the param's
+        (full) matrix shape; ``ortho`` is shaped like the local update."""
+        g = item.group
+        lr = adjust_lr(self._group_lr(g), g["adjust_lr"], self._matrix_shape(item.param))
+        muon_apply_(local(item.param), ortho, lr=lr, decay=1.0)

@@ -9,12 +9,15 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from torch import Tensor
 
 from ragged_optim.kernels.newton_schulz import SMALL_BATCH_MAX_BYTES, SMALL_BATCH_MAX_MATRICES, batching_pays
 from ragged_optim.optim.base import full_shape, local
+
+if TYPE_CHECKING:
+    from ragged_optim.optim.muon import NewtonSchulzSettings
 
 __all__ = ["PendingMatrix", "SmallMatrixBatch", "SmallMatrixBatches"]
 
@@ -29,7 +32,7 @@ class PendingMatrix(NamedTuple):
 
 
 class SmallMatrixBatch(NamedTuple):
-    ns_kw: dict[str, Any]  # the Newton-Schulz settings, by newton_schulz's names
+    ns: NewtonSchulzSettings  # the bucket's Newton-Schulz settings
     slots: Tensor  # [k, m, n] in the ns dtype, k = the matrices this batch expects: the first len(pending) are set
     pending: list[PendingMatrix]
 
@@ -57,21 +60,23 @@ class SmallMatrixBatches:
         self._buckets: dict[tuple, SmallMatrixBatch] = {}
         self._bytes = 0
 
-    def plan(self, params: list[Tensor], grads: list[Tensor], ns_kw: dict[str, Any]) -> None:
+    def plan(self, params: list[Tensor], grads: list[Tensor], ns: NewtonSchulzSettings) -> None:
         """Count one Muon group's batchable params (call for every group before the first :meth:`add`)."""
         for p, g in zip(params, grads):
             p_local, shape = local(p), full_shape(p)
             if len(shape) != 2 or p_local.numel() != math.prod(shape) or g.numel() != p_local.numel():
                 continue  # (a sharded param held whole here has a flat local tensor: viewed as its matrix in add)
-            if not (p_local.is_contiguous() and batching_pays(*shape, ns_kw["dtype"], g.device, self._matmul)):
+            if not (p_local.is_contiguous() and batching_pays(*shape, ns.dtype, g.device, self._matmul)):
                 continue
-            key = (tuple(shape), g.device, *ns_kw.values())
+            key = (tuple(shape), g.device, ns)
             self._key_of[id(p)] = key
             self._left[key] += 1
         for key in [k for k, n in self._left.items() if n == 1]:  # nothing to share a batch with
             del self._left[key]
 
-    def add(self, param: Tensor, update: Tensor, group: dict, ns_kw: dict[str, Any], lr: float, decay: float) -> bool:
+    def add(
+        self, param: Tensor, update: Tensor, group: dict, ns: NewtonSchulzSettings, lr: float, decay: float
+    ) -> bool:
         """Take ``param``'s ``update`` into its bucket; False when it is not batched (its caller finishes it alone)."""
         key = self._key_of.get(id(param))
         if key is None or not self._left[key]:
@@ -82,13 +87,13 @@ class SmallMatrixBatches:
             return False
         batch = self._buckets.get(key)
         if batch is None:  # slots for the params still to come (counted by plan), up to one full batch
-            one = update.numel() * ns_kw["dtype"].itemsize
+            one = update.numel() * ns.dtype.itemsize
             k = min(self._left[key] + 1, SMALL_BATCH_MAX_MATRICES, max(1, SMALL_BATCH_MAX_BYTES // one))
             size = k * one
             while self._buckets and self._bytes + size > SMALL_BATCH_MAX_BYTES:
                 self._pop(max(self._buckets, key=lambda b: len(self._buckets[b].pending)))
-            slots = update.new_empty((k, *key[0]), dtype=ns_kw["dtype"])
-            batch = self._buckets[key] = SmallMatrixBatch(ns_kw, slots, [])
+            slots = update.new_empty((k, *key[0]), dtype=ns.dtype)
+            batch = self._buckets[key] = SmallMatrixBatch(ns, slots, [])
             self._bytes += size
         batch.slots[len(batch.pending)].copy_(update.view(key[0]))
         batch.pending.append(PendingMatrix(param, group, lr, decay))
