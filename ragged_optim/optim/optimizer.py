@@ -3,7 +3,6 @@ that checks its input."""
 
 from __future__ import annotations
 
-import math
 import numbers
 import warnings
 from collections.abc import Iterable
@@ -11,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ragged_optim.optim.base import full_shape, is_dtensor, local, scalar
+from ragged_optim.optim.base import full_shape, local, scalar
 from ragged_optim.optim.blocks import BlockOptimizer
 from ragged_optim.optim.nonfinite import guard_step
 from ragged_optim.optim.state_checks import check_optimizer_state_dict
@@ -312,51 +311,3 @@ def _as_dtype(v):
         if isinstance(d, torch.dtype):
             return d
     return v
-
-
-class BandPreconditionerChecks:
-    """The param and grad checks of the optimizers that precondition bands of a matrix (Shampoo, SOAP): real,
-    floating, non-empty params; DTensors without ``Partial`` placements; dense real grads, as local tensors.
-    Mixed into a :class:`RaggedOptimizer`; errors name the optimizer class."""
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """torch's, then the group's hyperparameters (``_validate_group``) and params checked; a group that fails
-        is removed again, so a refused group leaves the optimizer as it was."""
-        if isinstance(param_group.get("params"), set):
-            raise TypeError(f"{type(self).__name__} params must be an ordered collection (a list), not a set")
-        super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        try:
-            self._validate_group(group)
-            self._check_params(len(self.param_groups) - 1, group)
-        except (ValueError, TypeError):
-            self.param_groups.pop()
-            raise
-
-    def _check_params(self, gi: int, group: dict[str, Any]) -> None:
-        name = type(self).__name__
-        for i, p in enumerate(group["params"]):
-            if is_dtensor(p):
-                self._check_dtensor(gi, i, p)
-            if p.is_complex():
-                raise ValueError(
-                    f"{self._param_label(gi, i)} is complex ({p.dtype}); {name} supports real params only: view it "
-                    "as real (torch.view_as_real) in the model, or optimize it with torch.optim.Adam."
-                )
-            if not p.is_floating_point():
-                raise ValueError(f"{self._param_label(gi, i)} has dtype {p.dtype}; {name} needs floating params")
-            if math.prod(full_shape(p)) == 0:
-                raise ValueError(
-                    f"{self._param_label(gi, i)} has no elements; {name} has nothing to precondition. Leave it out "
-                    "of the optimizer (it has nothing to learn)."
-                )
-
-    def _grad_of(self, gi: int, i: int, p: torch.Tensor) -> torch.Tensor | None:
-        grad = super()._grad_of(gi, i, p)
-        if grad is None:
-            return None
-        if grad.is_complex():
-            raise ValueError(
-                f"{self._param_label(gi, i)} has a complex gradient; {type(self).__name__} supports real params only"
-            )
-        return local(grad)

@@ -52,26 +52,13 @@ import torch
 from torch import Tensor
 
 from ragged_optim.kernels.matrix_root import RootInverseError, matrix_inverse_root
-from ragged_optim.optim.base import full_shape, local
-from ragged_optim.optim.optimizer import BandPreconditionerChecks, RaggedOptimizer, check_int, check_real, check_reals
-from ragged_optim.sharding import BlockSpec
-from ragged_optim.sharding.state_schema import Blocks, Elem, Replicated
+from ragged_optim.optim.bands import BandOptimizer, matrix_view_shape, shampoo_band_spec
+from ragged_optim.optim.base import local
 
 __all__ = ["Shampoo", "GRAFTING_METHODS", "shampoo_band_spec", "matrix_view_shape"]
 
 GRAFTING_METHODS = ("adam", "adagrad", "rmsprop", "sgd", None)
 ROOT_INVERSE_METHODS = ("eigh", "newton")
-
-
-def matrix_view_shape(shape) -> tuple[int, int]:
-    """The ``[d0, prod(rest)]`` matrix a param of ``shape`` (ndim >= 2) is preconditioned as."""
-    shape = tuple(shape)
-    return int(shape[0]), int(math.prod(shape[1:]))
-
-
-def shampoo_band_spec(shape, max_preconditioner_dim: int) -> BlockSpec:
-    """The layout block of a matrix param: bands of ``max_preconditioner_dim`` rows of its matrix view."""
-    return BlockSpec.rows(max_preconditioner_dim, matrix_view_shape(shape))
 
 
 def _tile_groups(cols: int, B: int) -> list[tuple[int, int, int]]:
@@ -186,7 +173,7 @@ def _vector_update(g: Tensor, state: dict, t: int, hp: dict) -> Tensor:
     return g * (diag + hp["epsilon"]).pow(-_exponent(hp, 1))
 
 
-class Shampoo(BandPreconditionerChecks, RaggedOptimizer):
+class Shampoo(BandOptimizer):
     """Shampoo with blocked Kronecker-factored preconditioners and grafting (the published distributed Shampoo
     semantics), for plain tensors, ``ragged_optim.fully_shard`` params and torch ``DTensor`` params (FSDP2's
     ``Shard(0)``, FSDP2 + TP, HSDP + TP: docs/parallelism.md). See docs/shampoo.md.
@@ -227,7 +214,12 @@ class Shampoo(BandPreconditionerChecks, RaggedOptimizer):
     load refuses bands of another run). Params whose grad is None are skipped.
     """
 
-    layout_keys = ("max_preconditioner_dim",)
+    epsilon_key = "epsilon"
+    epsilon_purpose = "it keeps the inverse roots finite"
+    more_real_keys = ("grafting_beta2", "grafting_epsilon")
+    #: ``momentum``, and a vector's ``graft`` / ``diag`` (declared for matrices too: theirs live in their bands)
+    matrix_elementwise_keys = vector_elementwise_keys = ("momentum", "graft", "diag")
+    revalidates_groups_at_step = True
 
     def __init__(
         self,
@@ -261,23 +253,15 @@ class Shampoo(BandPreconditionerChecks, RaggedOptimizer):
         )
         super().__init__(params, defaults)
 
-    # ------------------------------------------------------------------ groups and checks
+    # ------------------------------------------------------------------ hyperparameters
 
-    @staticmethod
-    def _validate_group(g: dict[str, Any]) -> None:
-        if not check_real("lr", g["lr"], tensor=True) >= 0.0:
-            raise ValueError(f"lr must be >= 0, got {g['lr']}")
-        b1, b2 = g["betas"] = check_reals("betas", g["betas"], "(beta1, beta2)")
+    def _check_betas(self, g: dict[str, Any]) -> None:
+        b1, b2 = g["betas"]
         if not (0.0 <= b1 < 1.0 and 0.0 < b2 <= 1.0):
             raise ValueError(f"betas must satisfy 0 <= beta1 < 1 and 0 < beta2 <= 1, got {g['betas']}")
-        for k in ("epsilon", "weight_decay", "grafting_beta2", "grafting_epsilon"):
-            check_real(k, g[k])
-        if not g["epsilon"] > 0.0:
-            raise ValueError(f"epsilon must be > 0 (it keeps the inverse roots finite), got {g['epsilon']}")
-        if not g["weight_decay"] >= 0.0:
-            raise ValueError(f"weight_decay must be >= 0, got {g['weight_decay']}")
-        check_int("max_preconditioner_dim", g["max_preconditioner_dim"], 1)
-        f = check_int("precondition_frequency", g["precondition_frequency"], 1)
+
+    def _check_own_keys(self, g: dict[str, Any]) -> None:
+        f = g["precondition_frequency"]
         s = g["start_preconditioning_step"]  # None: the frequency, read at each step (it may be changed later)
         if s is not None and (not isinstance(s, int) or isinstance(s, bool) or s < f):  # (True is an int)
             raise ValueError(
@@ -303,135 +287,32 @@ class Shampoo(BandPreconditionerChecks, RaggedOptimizer):
                         "use root_inverse='eigh' for it"
                     )
 
-    def _state_keys(self, group: dict[str, Any], p: Tensor) -> tuple[str, ...]:
-        return ("step",)  # momentum, bands and grafting state are created when missing
-
-    def state_schema(self, p: Tensor, group: dict[str, Any]) -> dict[str, Any]:
-        """``step``: replicated; ``momentum`` (and a vector's ``graft`` / ``diag``): one value per element; a
-        matrix's ``bands``: one dict of factors, roots and grafting state per band (block) of its block spec."""
-        schema = {"step": Replicated(), "momentum": Elem(), "graft": Elem(), "diag": Elem()}
-        spec = self.block_spec(p, group)
-        if spec is not None:
-            schema["bands"] = Blocks(spec)
-        return schema
+    # ------------------------------------------------------------------ band state
 
     def _state_dtype(self, p: Tensor) -> torch.dtype:
         return torch.float32  # statistics, roots, momentum and grafting state, whatever the param's dtype
 
-    # ------------------------------------------------------------------ band bookkeeping
+    def _preconditioner_tensors(self, band: dict) -> list[Tensor]:
+        """The factor and root matrices (not the grafting state)."""
+        return [t for key in ("L", "R", "L_root", "R_root") for t in band[key]]
 
-    @staticmethod
-    def _band_geometry(p: Tensor, B: int) -> tuple[int, int, int]:
-        """(rows, cols, elements per full band) of a matrix param."""
-        d0, cols = matrix_view_shape(full_shape(p))
-        return d0, cols, min(B, d0) * cols
+    def _band_state_elements(self, rows: int, cols: int, numel: int, group: dict) -> int:
+        """``L``, ``R`` and their roots per tile, and the grafting accumulator. For full ``B x B`` tiles it is
+        proportional to the per-step work as well."""
+        factors = sum(n * (rows * rows + w * w) for _, n, w in _tile_groups(cols, group["max_preconditioner_dim"]))
+        return 2 * factors + (numel if group["grafting"] not in (None, "sgd") else 0)
 
-    def _band(self, p: Tensor, k: int, group: dict, device) -> dict:
-        bands = self.state[p].setdefault("bands", {})
+    def _band_step(self, g: Tensor, bands: dict, k: int, step: int, group: dict, label: str) -> Tensor:
         if k not in bands:
-            d0, cols, _ = self._band_geometry(p, group["max_preconditioner_dim"])
-            B = group["max_preconditioner_dim"]
-            rows = min(B, d0 - k * B)
-            bands[k] = _new_band_state(rows, cols, B, device)
-        return bands[k]
+            bands[k] = _new_band_state(*g.shape, group["max_preconditioner_dim"], g.device)
+        return _band_update(g, bands[k], step, group, label)
 
-    def _compute_band(self, p: Tensor, k: int, g_flat: Tensor, group: dict, label: str) -> Tensor:
-        d0, cols, _ = self._band_geometry(p, group["max_preconditioner_dim"])
-        st = self._band(p, k, group, g_flat.device)
-        t = int(self.state[p]["step"].item())
-        # A fresh copy: matmul kernels can round differently for a view at another memory offset, and the inverse
-        # root amplifies that; a band must compute the same bits wherever it sits in a shard.
-        g = g_flat.to(torch.float32, copy=True).reshape(-1, cols)
-        out = _band_update(g, st, t, group, f"{label} band {k}").reshape(-1)
-        st["step"] = self.state[p]["step"].clone()  # the step this band was last updated at (checked on load)
-        return out
+    # ------------------------------------------------------------------ elementwise
 
-    def preconditioner_bytes(self) -> int:
-        """Bytes of factor and root matrices this rank holds (its share of the preconditioner memory)."""
-        total = 0
-        for st in self.state.values():
-            for band in st.get("bands", {}).values():
-                for key in ("L", "R", "L_root", "R_root"):
-                    total += sum(t.numel() * t.element_size() for t in band[key])
-        return total
+    def _vector_direction(self, p: Tensor, grad: Tensor, state: dict, group: dict) -> Tensor:
+        return _vector_update(grad.to(torch.float32), state, int(state["step"].item()), group)
 
-    # ------------------------------------------------------------------ step
-
-    def block_spec(self, p: Tensor, group: dict[str, Any]) -> BlockSpec | None:
-        """Matrix params compute on bands of ``max_preconditioner_dim`` rows; 1-D params are element-wise."""
-        if len(full_shape(p)) < 2:
-            return None
-        return shampoo_band_spec(full_shape(p), group["max_preconditioner_dim"])
-
-    #: Bands a rank holds whole may be computed elsewhere: a band's factors (rows^2 + cols^2 per tile) are not
-    #: proportional to its elements, so balancing only the elements (the planner) left 2.3x the state on one rank.
-    balance_whole_blocks = True
-
-    def block_cost(self, p: Tensor, spec: BlockSpec, numel: int) -> float:
-        """The elements of band state (``L``, ``R`` and their roots per tile, and the grafting accumulator): what
-        owners are balanced by. For full ``B x B`` tiles it is proportional to the per-step work as well."""
-        group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
-        B = group["max_preconditioner_dim"]
-        cols = matrix_view_shape(full_shape(p))[1]
-        rows = numel // cols
-        factors = sum(n * (rows * rows + w * w) for _, n, w in _tile_groups(cols, B))
-        return float(2 * factors + (numel if group["grafting"] not in (None, "sgd") else 0))
-
-    def _matrix_updates(self, items: list[tuple]) -> list[Tensor]:
-        """Per item ``(p, grad_local, group, label)``: this rank's update of p's local elements (fp32), through the
-        block API: bands this rank holds whole are computed in place; split bands (and DTensor bands a row-chunk
-        boundary cuts) are gathered to their owner, computed there, and scattered back (one all_to_all each way
-        per process group)."""
-        info = {id(p): (group, label) for p, _, group, label in items}
-
-        def compute(blocks):
-            return [self._compute_band(b.param, b.index, b.value.reshape(-1), *info[id(b.param)]) for b in blocks]
-
-        return self.map_blocks(
-            compute,
-            [p for p, *_ in items],
-            [grad for _, grad, *_ in items],
-            out_dtype=torch.float32,  # a param computed as one band keeps its band's result: no zero-filled copy
-        )
-
-    # torch.compile(opt.step) runs it eagerly: dynamo fails inside it (on the block API's closures)
-    # and the step is whole-matrix ops
-    @torch._disable_dynamo
-    @torch.no_grad()
-    def step(self, closure=None):  # type: ignore[override]
-        """One optimizer step; ``closure`` (optional) re-evaluates the model and returns the loss."""
-        for gi, group in enumerate(self.param_groups):  # hyperparameters changed since construction, checked again
-            try:
-                self._validate_group(group)
-            except (TypeError, ValueError) as e:
-                raise type(e)(f"Shampoo.step(): param_groups[{gi}]: {e}; nothing was updated") from e
-        loss, skip = self._begin_step(closure)
-        if skip:
-            return loss
-        todo: list[tuple[Tensor, Tensor, dict, Tensor]] = []  # (param, grad, group, local flat update)
-        matrix_items: list[tuple] = []
-        for gi, group in enumerate(self.param_groups):
-            for i, p in enumerate(group["params"]):
-                grad = self._grad_of(gi, i, p)
-                if grad is None:
-                    continue
-                state = self.state[p]
-                if "step" not in state:
-                    state["step"] = torch.tensor(0.0, dtype=torch.float32, device="cpu")
-                state["step"] += 1
-                if len(full_shape(p)) >= 2:
-                    matrix_items.append((p, grad, group, self._param_label(gi, i)))
-                else:
-                    t = int(state["step"].item())
-                    todo.append((p, grad, group, _vector_update(grad.to(torch.float32), state, t, group)))
-        if matrix_items:
-            for (p, grad, group, _), u in zip(matrix_items, self._matrix_updates(matrix_items)):
-                todo.append((p, grad, group, u))
-        for p, _grad, group, u in todo:
-            self._apply(p, u, group)
-        return loss
-
-    def _apply(self, p: Tensor, u: Tensor, group: dict) -> None:
+    def _apply(self, p: Tensor, u: Tensor, group: dict) -> None:  # type: ignore[override]
         """Momentum (elementwise on local elements), decoupled weight decay and the lr step."""
         state = self.state[p]
         lp = local(p)

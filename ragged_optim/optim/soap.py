@@ -59,18 +59,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ragged_optim.optim.bands import BandOptimizer, matrix_view_shape
 from ragged_optim.optim.base import full_shape, local
 from ragged_optim.optim.blocks import all_reduce_over_shards
-from ragged_optim.optim.optimizer import (
-    BandPreconditionerChecks,
-    RaggedOptimizer,
-    check_bool,
-    check_int,
-    check_real,
-    check_reals,
-)
-from ragged_optim.optim.shampoo import matrix_view_shape, shampoo_band_spec
-from ragged_optim.sharding.state_schema import Blocks, Elem, Replicated
+from ragged_optim.optim.optimizer import check_bool, check_real
 
 __all__ = [
     "SOAP",
@@ -215,7 +207,7 @@ def step_size(hp: dict, t: int, lr: float) -> float:
 # ---------------------------------------------------------------------------------------------------- optimizer
 
 
-class SOAP(BandPreconditionerChecks, RaggedOptimizer):
+class SOAP(BandOptimizer):
     """SOAP: Adam in the eigenbasis of Shampoo's preconditioner (Vyas et al. 2024), per band of
     ``max_preconditioner_dim`` rows, for plain tensors, ``ragged_optim.fully_shard`` params and torch ``DTensor``
     params (FSDP2's ``Shard(0)``, FSDP2 + TP, HSDP + TP: docs/parallelism.md). See the module docstring and
@@ -241,7 +233,10 @@ class SOAP(BandPreconditionerChecks, RaggedOptimizer):
     local elements. Params whose grad is None are skipped.
     """
 
-    layout_keys = ("max_preconditioner_dim",)
+    epsilon_key = "eps"
+    epsilon_purpose = "it keeps M / (sqrt(V) + eps) finite"
+    vector_elementwise_keys = ("exp_avg", "exp_avg_sq")
+    grads_travel_in_state_dtype = True
 
     def __init__(
         self,
@@ -271,11 +266,8 @@ class SOAP(BandPreconditionerChecks, RaggedOptimizer):
 
     # ------------------------------------------------------------------ checks
 
-    @staticmethod
-    def _validate_group(g: dict[str, Any]) -> None:
-        if not check_real("lr", g["lr"], tensor=True) >= 0.0:
-            raise ValueError(f"lr must be >= 0, got {g['lr']}")
-        b1, b2 = g["betas"] = check_reals("betas", g["betas"], "(beta1, beta2)")
+    def _check_betas(self, g: dict[str, Any]) -> None:
+        b1, b2 = g["betas"]
         if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
             raise ValueError(f"betas must satisfy 0 <= beta1 < 1 and 0 <= beta2 < 1, got {g['betas']}")
         if g["shampoo_beta"] is not None:
@@ -285,30 +277,10 @@ class SOAP(BandPreconditionerChecks, RaggedOptimizer):
                     f"shampoo_beta must be in [0, 1) (or None for betas[1]), got {g['shampoo_beta']}; the reference "
                     "implementation's -1 for 'use betas[1]' is None here"
                 )
-        for k in ("eps", "weight_decay"):
-            check_real(k, g[k])
-        if not g["eps"] > 0.0:
-            raise ValueError(f"eps must be > 0 (it keeps M / (sqrt(V) + eps) finite), got {g['eps']}")
-        if not g["weight_decay"] >= 0.0:
-            raise ValueError(f"weight_decay must be >= 0, got {g['weight_decay']}")
-        for k in ("max_preconditioner_dim", "precondition_frequency"):
-            check_int(k, g[k], 1)
+
+    def _check_own_keys(self, g: dict[str, Any]) -> None:
         for k in ("normalize_grads", "correct_bias"):
             check_bool(k, g[k])
-
-    def _state_keys(self, group: dict[str, Any], p: Tensor) -> tuple[str, ...]:
-        return ("step",)
-
-    def state_schema(self, p: Tensor, group: dict[str, Any]) -> dict[str, Any]:
-        """``step``: replicated; a matrix's ``bands``: one dict of factors, bases and moments per band (block);
-        a vector's ``exp_avg`` / ``exp_avg_sq``: one value per element."""
-        spec = self.block_spec(p, group)
-        if spec is not None:
-            return {"step": Replicated(), "bands": Blocks(spec)}
-        return {"step": Replicated(), "exp_avg": Elem(), "exp_avg_sq": Elem()}
-
-    def _state_dtype(self, p: Tensor) -> torch.dtype:
-        return compute_dtype(local(p).dtype)  # statistics, bases and moments: float32 (float64 for float64 params)
 
     def _check_state_dict(self, state_dict: Any) -> None:
         """Also: every saved band has the tensors and shapes of this param's band under the saved
@@ -339,102 +311,28 @@ class SOAP(BandPreconditionerChecks, RaggedOptimizer):
                             "param?"
                         )
 
-    # ------------------------------------------------------------------ blocks
+    # ------------------------------------------------------------------ band state
 
-    def block_spec(self, p: Tensor, group: dict[str, Any]):
-        """Bands of ``max_preconditioner_dim`` rows of the ``[d0, prod(rest)]`` view; None for 1-D and 0-D params."""
-        if len(full_shape(p)) < 2:
-            return None
-        return shampoo_band_spec(full_shape(p), group["max_preconditioner_dim"])
+    def _state_dtype(self, p: Tensor) -> torch.dtype:
+        return compute_dtype(local(p).dtype)  # statistics, bases and moments: float32 (float64 for float64 params)
 
-    #: Bands a rank holds whole may be computed elsewhere, to balance the band state (see ``block_cost``).
-    balance_whole_blocks = True
+    def _preconditioner_tensors(self, band: dict) -> Iterable[Tensor]:
+        """Every entry of the band: factors, bases and moments (and its step)."""
+        return band.values()
 
-    def block_cost(self, p: Tensor, spec, numel: int) -> float:
-        """The elements of a band's state (``L``, ``Q_L``, ``R``, ``Q_R`` when the columns are rotated, the two
-        moments): what owners are balanced by. It grows with the per-step work (rotations and factor products,
-        ``numel * (rows + cols)``) too."""
-        B = next(g["max_preconditioner_dim"] for g in self.param_groups if any(q is p for q in g["params"]))
-        _, cols, _ = band_geometry(full_shape(p), B)
-        rows = numel // cols
-        return float(sum(a * b for a, b in _band_shapes(rows, cols, B).values()))
+    def _band_state_elements(self, rows: int, cols: int, numel: int, group: dict) -> int:
+        """``L``, ``Q_L``, ``R``, ``Q_R`` when the columns are rotated, the two moments. It grows with the per-step
+        work (rotations and factor products, ``numel * (rows + cols)``) too."""
+        return sum(a * b for a, b in _band_shapes(rows, cols, group["max_preconditioner_dim"]).values())
 
-    def _band_direction(self, p: Tensor, k: int, g: Tensor, group: dict, label: str) -> Tensor:
-        """Band ``k`` of ``p``: its state is created from the first gradient (direction 0), else one SOAP step."""
-        B = group["max_preconditioner_dim"]
-        _, cols, _ = band_geometry(full_shape(p), B)
-        # A fresh copy: matmul kernels can round differently for a view at another memory offset; a band must
-        # compute the same bits wherever it sits in a shard.
-        g = g.to(compute_dtype(p.dtype), copy=True).reshape(-1, cols)
-        bands = self.state[p].setdefault("bands", {})
-        t = int(self.state[p]["step"].item()) - 1
+    def _band_step(self, g: Tensor, bands: dict, k: int, step: int, group: dict, label: str) -> Tensor:
+        """A band's state is created from its first gradient (direction 0), else one SOAP step at Adam's t."""
         if k not in bands:
-            bands[k] = new_band_state(g, B, shampoo_beta_of(group))
-            out = torch.zeros_like(g).reshape(-1)
-        else:
-            out = soap_band_step(g, bands[k], t, group, f"{label} band {k}").reshape(-1)
-        bands[k]["step"] = self.state[p]["step"].clone()  # the step this band was last updated at (checked on load)
-        return out
+            bands[k] = new_band_state(g, group["max_preconditioner_dim"], shampoo_beta_of(group))
+            return torch.zeros_like(g)
+        return soap_band_step(g, bands[k], step - 1, group, label)
 
-    def preconditioner_bytes(self) -> int:
-        """Bytes of the factors, bases and rotated moments this rank holds for its bands."""
-        return sum(
-            t.numel() * t.element_size()
-            for st in self.state.values()
-            for band in st.get("bands", {}).values()
-            for t in band.values()
-        )
-
-    # ------------------------------------------------------------------ step
-
-    def _matrix_directions(self, items: list[tuple]) -> list[Tensor]:
-        """Per item ``(p, grad_local, group, label)``: the direction of p's local elements, in the compute dtype,
-        through the block API: bands this rank holds whole are computed in place; cut bands are gathered to their
-        owner, computed there and scattered back (one all_to_all each way per process group and compute dtype)."""
-        info = {id(p): (group, label) for p, _, group, label in items}
-
-        def compute(blocks):
-            return [self._band_direction(b.param, b.index, b.value, *info[id(b.param)]) for b in blocks]
-
-        out: list[Tensor | None] = [None] * len(items)
-        for dtype in sorted({compute_dtype(p.dtype) for p, *_ in items}, key=str):  # the same order on every rank
-            ks = [k for k, (p, *_) in enumerate(items) if compute_dtype(p.dtype) == dtype]
-            grads = [items[k][1].to(dtype) for k in ks]  # pieces of cut bands travel in the compute dtype
-            res = self.map_blocks(compute, [items[k][0] for k in ks], grads)  # one-band params: no copy
-            for k, r in zip(ks, res):
-                out[k] = r
-        return out  # type: ignore[return-value]
-
-    # torch.compile(opt.step) runs it eagerly: dynamo fails inside it (on the block API's closures)
-    # and the step is whole-matrix ops
-    @torch._disable_dynamo
-    @torch.no_grad()
-    def step(self, closure=None):  # type: ignore[override]
-        """One optimizer step; ``closure`` (optional) re-evaluates the model and returns the loss."""
-        loss, skip = self._begin_step(closure)
-        if skip:
-            return loss
-        todo: list[tuple[Tensor, dict, Tensor | None]] = []  # (param, group, local direction or None)
-        matrices: list[tuple] = []
-        for gi, group in enumerate(self.param_groups):
-            for i, p in enumerate(group["params"]):
-                grad = self._grad_of(gi, i, p)
-                if grad is None:
-                    continue
-                state = self.state[p]
-                if "step" not in state:
-                    state["step"] = torch.tensor(0.0, dtype=torch.float32, device="cpu")
-                state["step"] += 1
-                if len(full_shape(p)) >= 2:
-                    matrices.append((p, grad, group, self._param_label(gi, i)))
-                else:
-                    todo.append((p, group, self._vector_direction(p, grad, state, group)))
-        if matrices:
-            for (p, _, group, _), n in zip(matrices, self._matrix_directions(matrices)):
-                todo.append((p, group, n))
-        for p, group, n in todo:
-            self._apply(p, n, group)
-        return loss
+    # ------------------------------------------------------------------ elementwise
 
     def _vector_direction(self, p: Tensor, grad: Tensor, state: dict, group: dict) -> Tensor | None:
         g = grad.to(compute_dtype(p.dtype))
