@@ -225,6 +225,15 @@ class FlatUnit:
         self._move_to(layout)
         return True
 
+    def set_owners(self, layout: Layout) -> None:
+        """Take who computes which block from ``layout``: this layout with its owners re-balanced
+        (:func:`~ragged_optim.sharding.planner.assign_owners_jointly`). Data placement is the same: nothing moves."""
+        self.layout = layout
+
+    def lock(self) -> None:
+        """An optimizer keeps state shaped by this layout from now on: refuse re-planning it."""
+        self.layout_locked = True
+
     def _refuse_if_locked(self, names) -> None:
         if self.layout_locked:
             raise RuntimeError(

@@ -24,8 +24,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ragged_optim.comm.collectives import same_on_every_rank
-from ragged_optim.comm.owner_exchange import BlockRoute, OwnerExchange
 from ragged_optim.optim.base import (
     full_shape,
     is_dtensor,
@@ -33,23 +31,15 @@ from ragged_optim.optim.base import (
     local_range,
     local_slice,
     process_group,
-    ragged_info,
     runs_of_rank,
 )
 from ragged_optim.optim.state_schema import declared_schema, is_block_dict, state_from_dcp, state_to_dcp
-from ragged_optim.sharding import BlockSpec, shard_info
+from ragged_optim.sharding import BlockSpec
+from ragged_optim.sharding.block_routing import BlockRouting
 from ragged_optim.sharding.dtensor_layout import check_placements, dtensor_layout
 from ragged_optim.sharding.owner_balance import default_block_cost
-from ragged_optim.sharding.owner_routes import (
-    blocks_over_layout,
-    held_alone,
-    layout_route,
-    owners_by_cost,
-    ragged_routes,
-)
-from ragged_optim.sharding.planner import assign_owners_jointly
-from ragged_optim.sharding.ragged_tp_layout import share_tensor_parallel_runs, tp_local_spec
 from ragged_optim.sharding.state_schema import StateKind
+from ragged_optim.sharding.unit_layout import declare_blocks, lock_layouts
 
 __all__ = [
     "Block",
@@ -130,167 +120,6 @@ def all_reduce_over_shards(t: Tensor, p: Tensor, op: str = "sum") -> Tensor:
                 t.zero_()
         dist.all_reduce(t, op=ops[op], group=group)
     return t
-
-
-def declare_blocks(
-    entries: Sequence[tuple[Tensor, BlockSpec]],
-    *,
-    allow_split: bool = True,
-    block_cost: Callable[[Tensor, BlockSpec, int], float] | None = None,
-    balance_whole_blocks: bool = False,
-    params: Sequence[Tensor] = (),
-) -> None:
-    """Tell the sharding layer which blocks of which params must be whole: every ragged unit concerned re-plans once
-    (a collective: every rank calls it with the same entries, in the same order, before the first step). With
-    ``allow_split=False`` no rank boundary may cut a block (8-bit quantization blocks); otherwise the planner may cut
-    a block and mark it owner-computed. Then who computes the owner-computed and cut blocks (and, with
-    ``balance_whole_blocks``, whole blocks too) is balanced over each process group by ``block_cost(p, spec,
-    numel)`` (default: the Newton-Schulz cost of the block's matrix view). Plain and DTensor params need nothing.
-    Tensor-parallel ragged params (``fully_shard`` after ``parallelize_module``) re-plan their TP-local parts, and
-    every rank's runs of them (of these entries and of ``params``) are shared over their joint (dp, tp) mesh: their
-    blocks get owners over all its ranks, at the step (:class:`_Routing`)."""
-    entries = list(entries)
-    for p, spec in entries:
-        if not isinstance(spec, BlockSpec):
-            raise TypeError(
-                f"the block spec of a param of shape {tuple(full_shape(p))} must be a ragged_optim.BlockSpec, got "
-                f"{type(spec).__name__}: {spec!r}"
-            )
-    by_unit: dict[int, tuple] = {}
-    param_at: dict[tuple[int, int], Tensor] = {}
-    for p, spec in entries:
-        info = shard_info(p)
-        if info is None:
-            continue
-        unit = info.unit
-        held = by_unit.setdefault(id(unit), (unit, {}, set()))
-        if info.tp is not None:  # its TP-local part: the blocks to keep whole there, if any; owners come later
-            spec = tp_local_spec(spec, info.tp.shape, info.tp.offsets, info.tp.local_shape)
-            if spec is None:
-                continue
-            held[2].add(info.index)
-        held[1][info.index] = spec
-        param_at[(id(unit), info.index)] = p
-    for unit, specs, _ in by_unit.values():
-        if unit.device.type == "meta" and unit.world_size > 1 and specs:
-            raise RuntimeError(
-                f"an optimizer was built on params still on the meta device ({unit.names[0]!r}, ...): its block "
-                "layout re-plans their units, which moves data between ranks. Build optimizers after "
-                "model.to_empty(device=...) and ro.init_weights(model)"
-            )
-    _check_ranks_agree([(unit, specs) for unit, specs, _ in by_unit.values()], allow_split)
-    groups: dict = {}
-    for unit, specs, _ in by_unit.values():
-        unit.relayout(specs, allow_split=allow_split)
-        groups.setdefault(id(unit.group), []).append(unit)
-    for units in groups.values():  # owners of all units of a group, balanced together (largest block first)
-
-        def cost(t, i, shape, spec, numel, units=units):
-            p = param_at[(id(units[t]), i)]
-            return default_block_cost(shape, spec, numel) if block_cost is None else block_cost(p, spec, numel)
-
-        layouts = assign_owners_jointly(
-            [u.layout for u in units],
-            block_cost=cost,
-            tensors=[set(by_unit[id(u)][1]) - by_unit[id(u)][2] for u in units],
-            balance_whole_blocks=balance_whole_blocks,
-        )
-        for unit, layout in zip(units, layouts):
-            unit.layout = layout
-    share_tensor_parallel_runs(list({id(p): p for p in [*(p for p, _ in entries), *params]}.values()))
-
-
-def _check_ranks_agree(requests: list[tuple], allow_split: bool) -> None:
-    """A relayout is a collective that a rank skips when its specs change nothing, so ranks that build an optimizer
-    over different params or settings would deadlock or mix layouts. One all_reduce per process group compares a
-    digest of every rank's request first, and all ranks raise together on a mismatch."""
-    by_group: dict[int, tuple] = {}
-    for unit, specs in requests:
-        by_group.setdefault(id(unit.group), (unit.group, unit.device, []))[2].append((unit, specs))
-    for group, device, entries in by_group.values():
-        if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
-            continue
-        request = sorted(
-            (tuple(unit.names), sorted((i, s.block, s.period, s.owner_computed, s.tile_cols) for i, s in specs.items()))
-            for unit, specs in entries
-        )
-        if not same_on_every_rank(repr((request, allow_split)), group, device):
-            n = sum(len(specs) for _, specs in entries)
-            names = [unit.names[i] for unit, specs in entries for i in specs][:3]
-            raise ValueError(
-                f"ranks build this optimizer over different sharded params or settings (this rank: {n} params in "
-                f"{len(entries)} units, e.g. {names}); construct every optimizer on every rank with the same params, "
-                "in the same order, with the same hyperparameters"
-            )
-
-
-def lock_layouts(params) -> None:
-    """From the first step on, optimizer state is shaped by the current layouts: forbid re-planning them."""
-    for p in params:
-        info = shard_info(p)
-        if info is not None:
-            info.unit.layout_locked = True
-
-
-class _Routing:
-    """Where the cut (and owner-computed) blocks of one process group's params are computed.
-
-    Owners are fixed by the whole param set an optimizer declared (not by which params have grads in a step), so
-    per-block state stays on one rank. Ragged params take their layout's owners (balanced at the declaration by the
-    optimizer's ``block_cost``); DTensor blocks get owners from the same balancer here (largest cost first,
-    preferring the rank that holds most of it), whole blocks too with ``balance_whole``."""
-
-    def __init__(
-        self, members: list[tuple[Tensor, BlockSpec]], group, cost: Callable, balance_whole: bool = False
-    ) -> None:
-        self.group, self.rank, self.world = group, dist.get_rank(group), dist.get_world_size(group)
-        self.routed: dict[int, list[tuple[int, int, BlockRoute | None]]] = {}
-        pending = []
-        for p, spec in members:
-            entry: list[tuple[int, int, BlockRoute | None]] = []
-            if ragged_info(p) is not None:
-                routes, spans = ragged_routes(p)
-                entry = [(s, e, r) for r, (s, e) in zip(routes, spans)]
-            else:
-                numel = max(1, int(torch.Size(full_shape(p)).numel()))
-                layout = dtensor_layout(p)
-                for s, e, parts, holder in blocks_over_layout(spec, numel, layout):
-                    if spec.owner_computed or balance_whole or not held_alone(parts, layout):
-                        pending.append((entry, len(entry), cost(p, spec, e - s), holder, parts, layout))
-                        entry.append((s, e, None))
-            self.routed[id(p)] = entry
-        if pending:
-            owners = owners_by_cost([x[2] for x in pending], [x[3] for x in pending], self.world)
-            for (entry, j, _, _, parts, layout), owner in zip(pending, owners):
-                s, e, _ = entry[j]
-                entry[j] = (s, e, layout_route(e - s, owner, parts, layout))
-        # A block its owner holds whole, alone, moves no data: the owner computes it in place, as a local block (no
-        # copy into a gather buffer, no result kept for a scatter). Routes are global, so every rank drops the same.
-        for p, _ in members:
-            self.routed[id(p)] = [(s, e, r) for s, e, r in self.routed[id(p)] if not _stays_with_owner(r)]
-        self._exchanges: dict[tuple, tuple] = {}
-
-    def exchange(self, params: list[Tensor], n_inputs: int) -> tuple[list[list[int]], OwnerExchange, OwnerExchange]:
-        """For the params of one step: each one's route indices, the gather exchange (every input's routes, one
-        after the other) and the scatter exchange."""
-        key = (tuple(id(p) for p in params), n_inputs)
-        if key not in self._exchanges:
-            routes: list[BlockRoute] = []
-            idx = []
-            for p in params:
-                idx.append(list(range(len(routes), len(routes) + len(self.routed[id(p)]))))
-                routes.extend(r for _, _, r in self.routed[id(p)])
-            self._exchanges[key] = (
-                idx,
-                OwnerExchange(routes * n_inputs, self.rank, self.world, self.group),
-                OwnerExchange(routes, self.rank, self.world, self.group),
-            )
-        return self._exchanges[key]
-
-
-def _stays_with_owner(route: BlockRoute) -> bool:
-    targets = route.pieces if route.targets is None else route.targets
-    return len(targets) == 1 and targets[0][0] == route.owner
 
 
 def _local_block_spans(spec: BlockSpec, lo: int, hi: int, numel: int, skip: set[int]) -> list[tuple[int, int]]:
@@ -566,7 +395,7 @@ class BlockOptimizer(torch.optim.Optimizer):
             specs[id(p)] = spec
         return specs[id(p)]
 
-    def _routing(self, group) -> _Routing:
+    def _routing(self, group) -> BlockRouting:
         routing = self.__dict__.setdefault("_block_routing", {})
         if id(group) not in routing:
             members = [
@@ -576,7 +405,7 @@ class BlockOptimizer(torch.optim.Optimizer):
                 if process_group(p) is group and (s := self.block_spec(p, g)) is not None
             ]
             cost = lambda p, s, n: self.block_cost(p, s, n)  # noqa: E731
-            routing[id(group)] = _Routing(members, group, cost, self.balance_whole_blocks)
+            routing[id(group)] = BlockRouting(members, group, cost, self.balance_whole_blocks)
         return routing[id(group)]
 
     def blocks_computed_here(self, p: Tensor) -> list[int]:
