@@ -403,8 +403,8 @@ class FlatUnit:
                     self._repoint(sp, i)
                     continue
                 # meta -> a real device: the same Parameter object with the new tensor swapped in (as FSDP2 keeps
-                # its params), so that an optimizer built before to_empty still holds the model's params; before,
-                # a new object replaced it and a torch optimizer built earlier silently trained nothing
+                # its params), so that an optimizer built before to_empty still holds the model's params (with a
+                # new object, a torch optimizer built earlier would silently train nothing)
                 attrs = dict(sp.__dict__)
                 new_sp = nn.Parameter(self.as_ragged(view, i), requires_grad=sp.requires_grad)
                 try:

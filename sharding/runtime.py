@@ -138,8 +138,8 @@ class RootContext:
 
     def make_room_for_reduce(self) -> None:
         """Finish reduce-scatters in flight until one more may start without exceeding the limit: the previous one's
-        input and output are freed before the next one's output is allocated (before, the next was issued first, so
-        two were in flight at the backward's peak)."""
+        input and output are freed before the next one's output is allocated (issuing the next first would put two
+        in flight at the backward's peak)."""
         while len(self.reduces_in_flight) >= MAX_REDUCES_IN_FLIGHT:
             self.reduces_in_flight.popleft().finish_reduce_grads()
 
@@ -332,7 +332,7 @@ class ModuleState:
         """Reduce-scatter what this unit's backward produced and reshard. Runs once per use of the module in the
         forward; while another use's backward is still to come (a block run twice, two forwards before one
         backward) the grads stay in the flat grad buffer, where that backward adds to them, and one reduce-scatter
-        follows the last use (as FSDP2 does; before, one per use). ``last``: the end-of-backward callback, which
+        follows the last use (as FSDP2 does; not one per use). ``last``: the end-of-backward callback, which
         reduces whatever is left (a use whose output the loss did not need)."""
         self.training_state = TrainingState.POST_BACKWARD
         defer = self.post_forward_indices and not last

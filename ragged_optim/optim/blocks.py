@@ -351,8 +351,8 @@ class BlockOptimizer(torch.optim.Optimizer):
 
     def _check_layout_keys(self) -> None:
         """Refuse a change of a :attr:`layout_keys` hyperparameter since the last step (or the load): the blocks,
-        the sharded layout and the optimizer state were made for the old value (before: a torch-internal shape
-        error deep in the step, a KeyError, or the old value silently kept)."""
+        the sharded layout and the optimizer state were made for the old value (unchecked: a torch-internal
+        shape error deep in the step, a KeyError, or the old value silently kept)."""
         diff = self.layout_difference(self.__dict__.get("_layout_groups") or [])
         if diff is not None:
             gi, key, old, new = diff
@@ -488,7 +488,7 @@ class BlockOptimizer(torch.optim.Optimizer):
                     f"map_blocks: an input has {[t.numel() for t in xs]} elements for a param whose local tensor "
                     f"has {n}: inputs must be shaped like local(p)"
                 )
-        for k, o in enumerate(out or ()):  # (before: a raw size mismatch from deep inside, naming nothing)
+        for k, o in enumerate(out or ()):  # (else a raw size mismatch from deep inside, naming nothing)
             n = local(params[k]).numel()
             if not isinstance(o, Tensor) or o.numel() != n:
                 got = f"{o.numel()} elements" if isinstance(o, Tensor) else f"a {type(o).__name__}"

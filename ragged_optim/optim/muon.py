@@ -429,7 +429,7 @@ class Muon(RaggedOptimizer):
 
     def _check_params(self, gi: int, group: dict[str, Any], *, explicit: bool) -> None:
         for i, p in enumerate(group["params"]):
-            if is_dtensor(p) and shard_info(p) is None:  # (before: a torch error about mesh dims at the first step)
+            if is_dtensor(p) and shard_info(p) is None:  # (else a torch error about mesh dims at the first step)
                 self._check_dtensor(gi, i, p)
             if p.is_complex():
                 raise ValueError(

@@ -171,7 +171,7 @@ class RaggedOptimizer(BlockOptimizer):
 
     def _check_state_dict(self, state_dict: Any) -> None:
         """Everything load_state_dict checks before it changes anything. torch's loader checks only group sizes,
-        so a state dict of another optimizer class used to load and then fail deep inside ``step``."""
+        so a state dict of another optimizer class would load and then fail deep inside ``step``."""
         where = f"{type(self).__name__}.load_state_dict"
         if not (
             isinstance(state_dict, dict)
@@ -262,8 +262,8 @@ class RaggedOptimizer(BlockOptimizer):
     def _load_checked_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Check ``state_dict`` (its hooks run, its state as local pieces), then load it with torch's loader. torch
         casts every floating state tensor (nested ones too) to its param's dtype: the state of params whose
-        :meth:`_state_dtype` differs is loaded here instead (before, a bf16 param's float32 preconditioners came
-        back as bf16, rounded, and the next step raised on mixed dtypes)."""
+        :meth:`_state_dtype` differs is loaded here instead (torch's cast would bring a bf16 param's float32
+        preconditioners back as bf16, rounded, and the next step would raise on mixed dtypes)."""
         self._check_state_dict(state_dict)
         params = [p for g in self.param_groups for p in g["params"]]
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]
