@@ -64,14 +64,15 @@ _LIKE = {
 #: mesh, as FSDP2's DTensor gives (torchtitan's fused-QKV init draws q, k, v so, then ``copy_``s them into t)
 _NEW_FACTORIES = {aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default}
 #: reductions of the whole tensor (no dim): each rank reduces its piece, then the ranks combine (torch 2.13's
-#: ``trunc_normal_`` loops on ``mask.any()`` of the param it fills)
+#: ``trunc_normal_`` loops on ``mask.any()`` of the param it fills). Per op: how the ranks' values combine, and the
+#: value of an empty piece (the identity of that combination; max and min of nothing raise)
 _WHOLE_REDUCTIONS = {
-    aten.any.default: "max",
-    aten.all.default: "min",
-    aten.max.default: "max",
-    aten.min.default: "min",
-    aten.sum.default: "sum",
-    aten.mean.default: "sum",
+    aten.any.default: ("MAX", 0.0),
+    aten.all.default: ("MIN", 1.0),
+    aten.max.default: ("MAX", -math.inf),
+    aten.min.default: ("MIN", math.inf),
+    aten.sum.default: ("SUM", 0.0),
+    aten.mean.default: ("SUM", 0.0),  # (a sum, divided by the numel once combined)
 }
 _NORMS = {aten.linalg_vector_norm.default, aten.norm.Scalar, aten.norm.ScalarOpt_dim}
 _FOREACH_NORMS = {aten._foreach_norm.Scalar}
@@ -289,16 +290,12 @@ def _whole_reduction(func, args, kwargs) -> DTensor:
     from ragged_optim.comm.collectives import all_reduce_flat
 
     t, *rest = args
-    loc, how = t._local_tensor, _WHOLE_REDUCTIONS[func]
+    loc, (how, identity) = t._local_tensor, _WHOLE_REDUCTIONS[func]
     mean = func is aten.mean.default
     local_op = aten.sum.default if mean else func
-    # (max and min of nothing raise: an empty piece takes the identity of how the ranks combine, and the dtype the
-    # op gives on one element)
-    out = local_op(loc if loc.numel() else loc.new_zeros(1), *rest, **kwargs)
-    identity = {aten.any.default: 0.0, aten.all.default: 1.0, aten.max.default: -math.inf, aten.min.default: math.inf}
-    value = float(out) if loc.numel() else identity.get(func, 0.0)
-    combined = torch.tensor([value], dtype=torch.float64, device=loc.device)
-    op = getattr(torch.distributed.ReduceOp, how.upper())
+    out = local_op(loc if loc.numel() else loc.new_zeros(1), *rest, **kwargs)  # (empty: for the dtype only)
+    combined = torch.tensor([float(out) if loc.numel() else identity], dtype=torch.float64, device=loc.device)
+    op = getattr(torch.distributed.ReduceOp, how)
     for dim, pl in enumerate(t.placements):
         if type(pl) is not Replicate:
             all_reduce_flat(combined, group=t.device_mesh.get_group(dim), op=op)
