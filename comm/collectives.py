@@ -115,54 +115,64 @@ def all_gather_p2p(output: torch.Tensor, shard: torch.Tensor, group=None, async_
 
 def reduce_scatter_p2p(shard_out: torch.Tensor, full: torch.Tensor, group=None, async_op: bool = False):
     """:func:`reduce_scatter_flat` (a sum) as point-to-point messages: slice k of ``full`` goes to rank k as it is
-    (no copy), and this rank adds the W slices it gets into ``shard_out`` in rank order, each received into one of
-    two buffers of ``shard_out``'s size (the next receive is posted while one is added): the sum is
-    ``((x_0 + x_1) + x_2) + ...`` on every rank, whatever the world size. Done when it returns (``async_op`` gives
-    a completed handle). Counted by ``count_collectives`` as one reduce-scatter (its input's bytes)."""
+    (no copy), and this rank adds the W slices it gets into ``shard_out`` in rank order (:func:`sum_in_rank_order`):
+    the sum is ``((x_0 + x_1) + x_2) + ...`` on every rank, whatever the world size. Done when it returns
+    (``async_op`` gives a completed handle). Counted by ``count_collectives`` as one reduce-scatter (its input's
+    bytes)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     n = shard_out.numel()
     piece = lambda k: full[k * n : (k + 1) * n]
     sends = [dist.isend(piece(k), group=group, group_dst=k, tag=_REDUCE_TAG) for k in range(world) if k != rank]
+    with torch.no_grad():
+        sum_in_rank_order(
+            shard_out, piece(rank), rank, world, lambda buf, k: dist.irecv(buf, group=group, group_src=k, tag=_REDUCE_TAG)
+        )
+    for w in sends:
+        w.wait()
+    return _Completed() if async_op else None
+
+
+def sum_in_rank_order(out: torch.Tensor, own: torch.Tensor, rank: int, world: int, receive, spares=None) -> None:
+    """``out = ((x_0 + x_1) + x_2) + ...`` where ``x_rank`` is ``own`` and every other ``x_k`` arrives by
+    ``receive(buf, k)`` (posts a receive into ``buf``, returns its work). Rank 0's slice is received into ``out``
+    itself, the others into one of two buffers of ``out``'s size (the next receive is posted while one is added):
+    taken from ``spares`` (grown when it has fewer)."""
+    spares = [] if spares is None else spares
     others = [k for k in range(world) if k != rank]
-    spares: list[torch.Tensor] = []
     posted: dict[int, tuple] = {}
 
-    def post(i: int) -> None:  # the receive from others[i], into shard_out (rank 0's) or a free spare
+    def post(i: int) -> None:  # the receive from others[i], into out (rank 0's) or a free spare
         if i >= len(others) or others[i] in posted:
             return
         k = others[i]
         if k == 0:
-            buf = shard_out
+            buf = out
         else:
             busy = {id(b) for b, _ in posted.values()}
             buf = next((b for b in spares if id(b) not in busy), None)
             if buf is None:
-                buf = torch.empty_like(shard_out)
+                buf = torch.empty_like(out)
                 spares.append(buf)
-        posted[k] = (buf, dist.irecv(buf, group=group, group_src=k, tag=_REDUCE_TAG))
+        posted[k] = (buf, receive(buf, k))
 
     post(0)
     post(1)
-    with torch.no_grad():
-        for k in range(world):
-            if k == rank:
-                got = piece(k)
-            else:
-                got, work = posted[k]
-                work.wait()
-            if k == 0:
-                if got.data_ptr() != shard_out.data_ptr():
-                    shard_out.copy_(got)
-            else:
-                shard_out.add_(got)
-            if k != rank:
-                del posted[k]
-                i = others.index(k)
-                post(i + 1)
-                post(i + 2)
-    for w in sends:
-        w.wait()
-    return _Completed() if async_op else None
+    for k in range(world):
+        if k == rank:
+            got = own
+        else:
+            got, work = posted[k]
+            work.wait()
+        if k == 0:
+            if got.data_ptr() != out.data_ptr():
+                out.copy_(got)
+        else:
+            out.add_(got)
+        if k != rank:
+            del posted[k]
+            i = others.index(k)
+            post(i + 1)
+            post(i + 2)
 
 
 def all_to_all_flat(output: torch.Tensor, input: torch.Tensor, out_splits, in_splits, group=None):

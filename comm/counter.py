@@ -70,6 +70,15 @@ def _nbytes(obj) -> int:
 
 
 _state = threading.local()
+_active: list[CommStats] = []  # the count_collectives blocks open now (note() adds to each)
+
+
+def note(kind: str, nbytes: int) -> None:
+    """Count one collective that is not a single torch.distributed call (a reduce-scatter posted in buckets) in
+    every ``count_collectives`` block open now."""
+    for stats in _active:
+        stats.calls[kind] += 1
+        stats.bytes[kind] += nbytes
 
 # torch's functional collectives (DTensor redistributions, torch.optim.Muon on DTensors) are separate functions in
 # torch.distributed._functional_collectives that DTensor looks up at call time. name -> (kind, count the result?)
@@ -125,8 +134,10 @@ def count_collectives():
         if fn is not None:
             originals[(module, name)] = fn
             setattr(module, name, wrap(fn, kind, idx))
+    _active.append(stats)
     try:
         yield stats
     finally:
+        _active.remove(stats)
         for (module, name), fn in originals.items():
             setattr(module, name, fn)

@@ -22,10 +22,12 @@ from ragged_optim.comm.collectives import (
     all_reduce_flat,
     all_to_all_flat,
     grad_divide_plan,
+    p2p_serves,
     reduce_scatter_flat,
 )
 from ragged_optim.comm.quantized import quantized_all_gather, quantized_reduce_scatter
 from ragged_optim.sharding.comm_policy import CommPolicy
+from ragged_optim.sharding.grad_buckets import GradBuckets
 from ragged_optim.sharding.layout import BlockSpec, Layout
 from ragged_optim.sharding.planner import TensorSpec, plan_unit
 from ragged_optim.sharding.ragged_dtensor import RaggedDTensor, build_ragged, normalize_ranges
@@ -111,6 +113,8 @@ class FlatUnit:
         # FSDPModule.set_gradient_divide_factor (None: the data-parallel size) and set_force_sum_reduction_for_comms
         self.gradient_divide_factor: float | None = None
         self.force_sum_reduction = False
+        self.buckets = GradBuckets(self)  # grads reduced in buckets during the backward (CPU gloo; grad_buckets.py)
+        self.bucket_tag = 0  # this unit's index in its root: the tag of its bucket messages
         self._build_unsharded_params()
         self.set_sharded_attrs()
 
@@ -507,6 +511,7 @@ class FlatUnit:
         if self.pending_reduce is not None:
             self.streams.complete(self.pending_reduce[0], self.pending_reduce[4])
             self.pending_reduce = None
+        self.buckets.abort()
         self.drop_grad_buffers()
         self.reshard()
 
@@ -515,13 +520,14 @@ class FlatUnit:
     def trainable(self) -> bool:
         return any(self.requires_grad)
 
-    def prepare_grads(self):
+    def prepare_grads(self, forward_once: bool = False):
         """Before the unit's backward. The flat grad buffer is not made here: autograd makes each param's grad as
         the backward computes it (as under FSDP2), and :meth:`_fold_param_grads` copies them into a buffer made at
         the unit's post-backward. Before, a zero-filled buffer of the whole unit was allocated here and held through
         the unit's backward: 7.1 MB per unit above FSDP2 on bench20m, the gap in our backward peak. Grads kept from
         an earlier no-sync backward stay the accumulator: each param's .grad points into them, so autograd adds in
-        place, in torch's order."""
+        place, in torch's order. ``forward_once``: the unit ran one forward this iteration, so this backward makes
+        all its grads and they may be reduced in buckets as they come (:meth:`_buckets_apply`)."""
         if self.trainable:
             self.grads_pending = True
         if self.grad_buf is not None:
@@ -529,6 +535,22 @@ class FlatUnit:
                 if up.requires_grad and up.grad is None:
                     up.grad = self._as_unsharded(self._full_slice(self.grad_buf, i), i)
         self.accumulating.update(i for i, rg in enumerate(self.requires_grad) if rg)
+        if forward_once and self._buckets_apply():
+            wire = self._wire_dtype()
+            self.buckets.begin(wire, self._divide_plan(wire)[0])
+
+    def _buckets_apply(self) -> bool:
+        """Reduce in buckets during the backward: a synced backward on CPU gloo ranks without side streams, grads
+        that start from nothing (no no-sync accumulation), full or bf16 on the wire, no tensor parallel, a sum
+        (what the point-to-point reduction makes), and a unit whose grads make at least two buckets."""
+        if not (self.trainable and self.requires_grad_sync and self.grad_buf is None and self.unsynced_grad is None):
+            return False
+        if self.streams.enabled or self.comm_policy.grad_reduce == "int8" or any(tp is not None for tp in self.tp_parts):
+            return False
+        if not p2p_serves(self.group, self.device) or any(up.grad is not None for up in self.unsharded_params):
+            return False
+        wire = self._wire_dtype()
+        return self._divide_plan(wire)[2] == dist.ReduceOp.SUM and len(self.buckets.plan(wire)) > 1
 
     @property
     def holds_unreduced_grads(self) -> bool:
@@ -569,6 +591,8 @@ class FlatUnit:
         """After the unit's backward: without gradient sync, keep the grads for the next backward (in the reduce
         dtype, as FSDP2 does, so bf16 grads do not accumulate in bf16); with it, start the reduce-scatter (async)
         of everything accumulated. Returns True when a reduce-scatter was started."""
+        if self.buckets.active:
+            return self._finish_buckets()
         if not self.holds_unreduced_grads:
             return False
         self._fold_param_grads()
@@ -586,7 +610,7 @@ class FlatUnit:
                 quantized_reduce_scatter(out, full, "int8", self.comm_policy.block_size, group=self.group)
                 return self._all_reduce_replicas_on_stream(out, op)
         else:
-            pre, post, op = self._divide_plan(full)
+            pre, post, op = self._divide_plan(full.dtype)
             out = torch.empty(self.layout.shard_size, dtype=full.dtype, device=self.device)
 
             def reduce():
@@ -608,6 +632,16 @@ class FlatUnit:
         self.reduce_input = full if s.enabled else None
         return True
 
+    def _finish_buckets(self) -> bool:
+        """Post the buckets still to go, wait for the bucketed reduce-scatter, and leave its result to land."""
+        self.grads_pending = False
+        _, post, op = self._divide_plan(self._wire_dtype())
+        out = self.buckets.close()
+        landing = sorted(self.accumulating | {i for i, rg in enumerate(self.requires_grad) if rg})
+        self.accumulating.clear()
+        self.pending_reduce = (None, out, op, post, None, landing)
+        return True
+
     def _all_reduce_replicas_on_stream(self, out: torch.Tensor, op):
         """HSDP with side streams: the all-reduce across replicas follows the reduce-scatter on its stream (in the
         reduce dtype). Without streams it runs when the reduce-scatter is waited for (``finish_reduce_grads``)."""
@@ -625,9 +659,12 @@ class FlatUnit:
             up.grad = None
         self.grad_buf = None
 
+    def _wire_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.comm_policy.grad_reduce == "bf16" else self.reduce_dtype
+
     def _grads_to_reduce(self) -> torch.Tensor:
         """The flat W*S grads to reduce, in the wire dtype, owned by the reduction (the grad buffer is released)."""
-        wire = torch.bfloat16 if self.comm_policy.grad_reduce == "bf16" else self.reduce_dtype
+        wire = self._wire_dtype()
         if self.comm_policy.grad_reduce == "int8":
             wire = torch.float32 if self.unsynced_grad is not None else self.param_dtype
         if self.unsynced_grad is not None:
@@ -643,12 +680,12 @@ class FlatUnit:
         self.unsynced_grad = None
         return full
 
-    def _divide_plan(self, full: torch.Tensor) -> tuple[float, float, object]:
+    def _divide_plan(self, dtype: torch.dtype) -> tuple[float, float, object]:
         """(pre, post, op) of the reduce-scatter: an average over the data-parallel ranks by default; with a
         divide factor, the sum divided by it once after the reduction (1.0: the plain sum), as FSDP2 divides."""
         if self.gradient_divide_factor is not None:
             return 1.0, self.gradient_divide_factor, dist.ReduceOp.SUM
-        pre, post, op = grad_divide_plan(self.group, full.dtype, self._grad_divisor(), full.device)
+        pre, post, op = grad_divide_plan(self.group, dtype, self._grad_divisor(), self.device)
         if self.force_sum_reduction and op != dist.ReduceOp.SUM:  # NCCL's AVG: sum, then divide
             return 1.0, float(self._grad_divisor()), dist.ReduceOp.SUM
         return pre, post, op

@@ -207,6 +207,8 @@ class ModuleState:
             s.is_root = s is self
             ctx.states.append(s)
         _check_ranks_shard_alike(ctx.states)
+        for n, u in enumerate(u for s in ctx.states for u in s.units):  # the same on every rank (module order)
+            u.bucket_tag = n % 0x10000
         self.ctx = ctx
         return ctx
 
@@ -299,9 +301,10 @@ class ModuleState:
         ctx = self.ctx
         ctx.queue_final_callback()
         self._gather()
+        once = len(self.post_forward_indices) == 1  # one forward to backward through: all its grads come now
         for u in self.units:
             u.set_unsharded_attrs()  # a recompute that bypasses this module's hooks (checkpoint_wrapper) sees them
-            u.prepare_grads()
+            u.prepare_grads(forward_once=once)
         ahead = []
         if self.post_forward_indices:  # prefetch the unit whose backward comes next
             i = self.post_forward_indices.pop()

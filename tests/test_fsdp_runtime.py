@@ -395,7 +395,9 @@ def _buffers_at_reduce(rank, world_size):
     import weakref
 
     from ragged_optim.sharding import flat_unit as fu
+    from ragged_optim.sharding import grad_buckets
 
+    grad_buckets.BUCKET_BYTES = None  # the whole-unit reduce-scatter (GPUs, quantized grads, TP) is the subject here
     model = shard(make_model(n_blocks=3), fully_shard)
     seen, prev = [], []
     to_reduce = fu.FlatUnit._grads_to_reduce

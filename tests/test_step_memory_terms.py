@@ -19,6 +19,7 @@ and its reduce-scatter all-reduced a copy of the whole unit: these figures were 
 """
 
 import gc
+import math
 
 import pytest
 import torch
@@ -145,3 +146,115 @@ def test_backward_bytes_term_by_term():
         # an expanded vector made contiguous for the matmul).
         last = order[-1]
         assert got["peak"] == eps + sum(S) - S[last] + U[last] + G[last] + 4 * WIDTH, got
+
+
+MATRICES = 8
+
+
+class MatricesBlock(nn.Module):
+    """MATRICES params, so a unit's grads make that many buckets (BUCKET_BYTES: one matrix); no saved activation."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.ws = nn.ParameterList(nn.Parameter(torch.randn(width, width) / width**0.5) for _ in range(MATRICES))
+        self.register_buffer("c", torch.randn(1, width))
+
+    def forward(self, x):
+        for w in self.ws:
+            x = x + F.linear(self.c, w).sum(0)
+        return x
+
+
+def _bucketed_points(rank, world_size, bucket_bytes):
+    """As _step_points, for MatricesBlock units whose grads go in buckets (``bucket_bytes``; None: whole), with
+    each grad hook waiting until its bucket is summed on every rank, so what is alive at each point is exact."""
+    import time
+
+    from ragged_optim.sharding import grad_buckets
+
+    grad_buckets.BUCKET_BYTES = bucket_bytes
+    torch.manual_seed(0)
+    model = nn.Sequential(*[MatricesBlock(WIDTH) for _ in range(BLOCKS)])
+    for b in model:
+        ro.fully_shard(b)
+    ro.fully_shard(model)
+    x = torch.randn(WIDTH, requires_grad=True)
+    model(x).sum().backward()
+    grads = [p.grad.full_tensor() for p in model.parameters()]
+    for p in [*model.parameters(), x]:
+        p.grad = None
+    gc.collect()
+    settle()
+    real_ready = grad_buckets.GradBuckets.grad_ready
+
+    def ready_and_summed(self, i, up):
+        real_ready(self, i, up)
+        r = self.reduction
+        while r is not None and r.summed < r.posted:
+            time.sleep(1e-4)
+
+    points = []
+    loss = model(x).sum()
+    real = _recorded(points)
+    grad_buckets.GradBuckets.grad_ready = ready_and_summed
+    try:
+        start = alloc_counter.current()
+        outer = alloc_counter.reset_peak()
+        loss.backward()
+        peak = alloc_counter.stats().peak
+        alloc_counter.restore_peak(outer)
+    finally:
+        ModuleState.pre_backward, ModuleState.post_backward = real["pre"], real["post"]
+        grad_buckets.GradBuckets.grad_ready = real_ready
+    blocks, sizes = list(model), []
+    for b in model:
+        (u,) = [u for u in units_of(model) if u.module is b]
+        s, lay = u.layout.shard_size, u.layout
+        # per matrix (one bucket each): its grad's bytes, and the bytes of its range this rank sums
+        ranges = [(lay.offsets[i], lay.offsets[i] + math.prod(lay.shapes[i])) for i in range(len(lay.shapes))]
+        own = [4 * max(0, min(hi, (rank + 1) * s) - max(lo, rank * s)) for lo, hi in ranges]
+        sizes.append((lay.total_size * 4, s * 4, [4 * p.numel() for p in b.parameters()], own))
+    rows = [(name, blocks.index(s.module) if s.module is not model else None, before - start, after - start,
+             pk - start) for name, s, before, after, pk in points]  # fmt: skip
+    return {"rows": rows, "sizes": sizes, "peak": peak - start, "grads": grads}
+
+
+def test_bucketed_backward_bytes_term_by_term():
+    """With grads reduced in buckets as they come, a unit's grads do not wait for its backward's end: at its
+    post-backward it holds its params and the reduced shard being filled (S), where the whole-unit reduction held
+    all its grads (G). While a bucket is summed, its grad and the receive buffers of the part this rank sums (two
+    of it, rank 0's part landing in the shard itself) are alive. The result is the whole-unit reduction's, bit for
+    bit. Fails with buckets off (None: G at every post-backward entry)."""
+    world = 4
+    whole = run_on_ranks(_bucketed_points, world, None)
+    got_all = run_on_ranks(_bucketed_points, world, 4 * WIDTH * WIDTH)
+    for rank, (got, ref) in enumerate(zip(got_all, whole)):
+        assert all(torch.equal(a, b) for a, b in zip(got["grads"], ref["grads"]))
+        U, S, grads, own = zip(*got["sizes"])
+        receive_bufs = min(2, world - 1 if rank == 0 else world - 2)
+        rows = got["rows"]
+        eps = rows[0][2]
+        pre = {r[1]: r for r in rows if r[0] == "pre" and r[1] is not None}
+        post = {}
+        for r in rows:
+            if r[0] == "post" and r[1] is not None:
+                post.setdefault(r[1], r)
+        order = [r[1] for r in rows if r[0] == "pre" and r[1] is not None]
+        assert order == list(range(BLOCKS))[::-1], rows
+        reduced = 0
+        for i, k in enumerate(order):
+            _, _, before, after, peak = pre[k]
+            gathered = U[k] if i == 0 else 0
+            assert (after - before, peak - before) == (gathered, gathered), (rank, k, pre[k])
+            _, _, entry, exit_, peak = post[k]
+            assert entry == eps + reduced + U[k] + S[k], (rank, k, post[k], rows)
+            reduced += S[k]
+            following = U[order[i + 1]] if i + 1 < len(order) else 0
+            assert exit_ == eps + reduced + following, (rank, k, post[k], rows)
+            assert peak == entry, (rank, k, post[k])
+        # The peak: in the last unit's backward, one matrix's grad alive with the shard being filled, and either
+        # the receive buffers of its bucket or the WIDTH-vector autograd makes while computing it.
+        last = order[-1]
+        during = max(g + max(4 * WIDTH, receive_bufs * o) for g, o in zip(grads[last], own[last]))
+        assert got["peak"] == eps + sum(S) - S[last] + U[last] + S[last] + during, (rank, got["peak"])
+        assert got["peak"] < ref["peak"], (got["peak"], ref["peak"])

@@ -1,0 +1,81 @@
+"""A reduce-scatter of one flat buffer posted in buckets while the buffer is still being produced (a unit's grads
+as the backward makes them), as point-to-point messages on a gloo group of CPU ranks.
+
+Each rank posts the same buckets (flat ranges ``[lo, hi)`` of the ``W*S`` input) in the same order; a bucket's
+slice for rank k goes to rank k as it is posted, and a worker thread on rank k sums the W slices of its own range
+in rank order into the S-element output as they arrive, then lets the bucket go. The sum is the one
+``reduce_scatter_p2p`` makes (``((x_0 + x_1) + x_2) + ...``), so bucketing changes no bit of the result. Posting
+never blocks: only :meth:`BucketedReduceScatter.finish` waits, where a whole-buffer reduce-scatter would have.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import torch
+import torch.distributed as dist
+
+from ragged_optim.comm import counter
+from ragged_optim.comm.collectives import sum_in_rank_order
+
+#: Tags of bucket messages: this base plus the reduction's own index, so two reductions in flight at once (a root
+#: unit's and a block's) never take each other's messages, whatever order their buckets interleave in.
+BUCKET_TAG_BASE = 0x52420000
+
+
+class BucketedReduceScatter:
+    """``out`` (S elements, zeros) receives this rank's range of the sum over ranks of the buckets posted with
+    :meth:`post`. The receive buffers of a bucket (at most two of its own range's size) live while it is summed."""
+
+    def __init__(self, out: torch.Tensor, group, tag_index: int):
+        self.out, self.group = out, group
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.shard = out.numel()
+        self.tag = BUCKET_TAG_BASE + tag_index
+        self.posted = self.summed = 0  # buckets posted, and summed here and received everywhere
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._sum_buckets, name="ragged_optim-bucket-reduce", daemon=True)
+        self._thread.start()
+
+    def post(self, lo: int, hi: int, data: torch.Tensor) -> None:
+        """This rank's contribution to flat elements ``[lo, hi)`` (``data``: hi - lo elements of ``out``'s dtype,
+        kept until every rank has received its slice)."""
+        sends = []
+        for k in range(self.world):
+            a, b = max(lo, k * self.shard), min(hi, (k + 1) * self.shard)
+            if k != self.rank and a < b:
+                sends.append(dist.isend(data[a - lo : b - lo], group=self.group, group_dst=k, tag=self.tag))
+        a, b = max(lo, self.rank * self.shard), min(hi, (self.rank + 1) * self.shard)
+        self.posted += 1
+        self._queue.put((data[a - lo : b - lo] if a < b else None, a - self.rank * self.shard, sends))
+
+    def _sum_buckets(self) -> None:
+        with torch.no_grad():
+            while (item := self._queue.get()) is not None:
+                own, start, sends = item
+                try:
+                    if own is not None and self._error is None:
+                        out = self.out[start : start + own.numel()]
+                        sum_in_rank_order(out, own, self.rank, self.world, self._receive)
+                    while sends:
+                        sends.pop().wait()
+                except BaseException as e:  # raised by finish(), on the thread that posted
+                    self._error = self._error or e
+                del own, sends, item  # the bucket's data goes as soon as it is summed and sent (a send's
+                # work holds its tensor: no loop variable may keep one)
+                self.summed += 1
+
+    def _receive(self, buf: torch.Tensor, src: int):
+        return dist.irecv(buf, group=self.group, group_src=src, tag=self.tag)
+
+    def finish(self) -> torch.Tensor:
+        """Wait until every posted bucket is summed here and received by every other rank; returns ``out``.
+        Counted by ``count_collectives`` as one reduce-scatter of the whole W*S input, as the collective it is."""
+        self._queue.put(None)
+        self._thread.join()
+        counter.note("reduce_scatter", self.world * self.shard * self.out.element_size())
+        if self._error is not None:
+            raise self._error
+        return self.out

@@ -1,0 +1,181 @@
+"""A unit's grads reduced in buckets while its backward runs, on CPU gloo ranks (as DDP reduces its buckets).
+
+A unit that reduces its grads whole after its backward holds, at the end of that backward, its unsharded params
+and all their grads: 2U. Here each grad, as autograd accumulates it, moves into its bucket (a run of adjacent
+params of at most ``BUCKET_BYTES``, or one larger param) and leaves the param; a bucket whose params all have
+their grads is posted at once (:class:`~ragged_optim.comm.bucketed_reduce.BucketedReduceScatter`), and its bytes
+go when every rank has summed them. Buckets are posted strictly in one order, the same on every rank (descending
+flat offset: the order a backward makes grads in), whatever grads a rank got or when: a bucket waiting for a grad
+holds back the ones after it, and the unit's post-backward posts what is left (zeros for grads that never came),
+so every rank sends the same messages. Only the post-backward waits, where the whole-unit reduce-scatter waited.
+The result is bit for bit the whole-unit one (the same rank-order sum of the same values).
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+
+import torch
+
+from ragged_optim.comm.bucketed_reduce import BucketedReduceScatter
+
+#: The most bytes of adjacent params one bucket takes (a larger param is a bucket of its own); None: every unit's
+#: grads are reduced whole after its backward.
+BUCKET_BYTES: int | None = 1 << 20
+
+
+def plan_buckets(offsets, numels, trainable, itemsize: int, cap: int) -> list[tuple[int, int, list]]:
+    """``(lo, hi, params)`` per bucket, in posting order: runs of trainable params adjacent in the flat buffer (no
+    frozen param between; padding between them is part of the range), each at most ``cap`` bytes unless it is
+    one param. Frozen params are in no bucket (nothing is reduced for them, as in the whole-unit reduction)."""
+    order = sorted(range(len(offsets)), key=lambda i: offsets[i])
+    runs, cur = [], []
+    for i in order:
+        if not trainable[i]:
+            if cur:
+                runs.append(cur)
+            cur = []
+            continue
+        if cur and (offsets[i] + numels[i] - offsets[cur[0]]) * itemsize > cap:
+            runs.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        runs.append(cur)
+    return [(offsets[r[0]], offsets[r[-1]] + numels[r[-1]], r) for r in reversed(runs)]
+
+
+class GradBuckets:
+    """One unit's bucket plan and, between its pre- and post-backward, the open bucketed reduction."""
+
+    def __init__(self, unit):
+        self._unit = weakref.ref(unit)
+        self._plan_key = None
+        self.buckets: list[tuple[int, int, list]] = []
+        self._hooked: set[int] = set()
+        self.active = False
+
+    def plan(self, wire: torch.dtype) -> list[tuple[int, int, list]]:
+        u = self._unit()
+        key = (id(u.layout), tuple(u.requires_grad), wire, BUCKET_BYTES)
+        if key != self._plan_key:
+            lay = u.layout
+            numels = [math.prod(s) for s in lay.shapes]
+            itemsize = torch.empty(0, dtype=wire).element_size()
+            cap = BUCKET_BYTES
+            self.buckets = [] if cap is None else plan_buckets(lay.offsets, numels, u.requires_grad, itemsize, cap)
+            self._plan_key = key
+        return self.buckets
+
+    def begin(self, wire: torch.dtype, pre: float) -> None:
+        """At the unit's pre-backward: grads accumulated from now in this graph task go into buckets."""
+        u = self._unit()
+        self.wire, self.pre = wire, pre
+        self.task = torch._C._current_graph_task_id()
+        self.bucket_of = {i: b for b, (_, _, ps) in enumerate(self.buckets) for i in ps}
+        self.missing = [len(ps) for _, _, ps in self.buckets]
+        self.data: list[torch.Tensor | None] = [None] * len(self.buckets)
+        self.taken: set[int] = set()
+        self.twice: list[int] = []
+        self.next = 0
+        self.reduction = None
+        for i, up in enumerate(u.unsharded_params):
+            if up.requires_grad and id(up) not in self._hooked:
+                up.register_post_accumulate_grad_hook(_hook(self, i))
+                self._hooked.add(id(up))
+        self.active = True
+
+    def grad_ready(self, i: int, up: torch.Tensor) -> None:
+        if not self.active or torch._C._current_graph_task_id() != self.task or i not in self.bucket_of:
+            return  # (another backward, or a reentrant checkpoint's: the post-backward takes the grad)
+        if i in self.taken:
+            self.twice.append(i)
+            return
+        b = self.bucket_of[i]
+        if self.next > b:  # its bucket was posted without it (only when a grad came in another graph task)
+            self.twice.append(i)
+            return
+        self._take(i, b, up)
+        self.missing[b] -= 1
+        while self.next < len(self.buckets) and self.missing[self.next] == 0:
+            self._post(self.next)
+
+    def _take(self, i: int, b: int, up: torch.Tensor) -> None:
+        """Param i's grad into bucket b's data; the param lets go of it (a lone param's grad is the data)."""
+        u = self._unit()
+        lo, hi, ps = self.buckets[b]
+        g, off = up.grad, u.layout.offsets[i]
+        self.taken.add(i)
+        up.grad = None
+        if g is None:
+            return
+        if len(ps) == 1 and g.dtype == self.wire and g.is_contiguous() and g.numel() == hi - lo:
+            self.data[b] = g.view(-1)
+            return
+        if self.data[b] is None:
+            self.data[b] = torch.zeros(hi - lo, dtype=self.wire, device=u.device)
+        self.data[b][off - lo : off - lo + g.numel()].copy_(g.reshape(-1))
+
+    def _post(self, b: int) -> None:
+        u = self._unit()
+        lo, hi, _ = self.buckets[b]
+        if self.reduction is None:
+            out = torch.zeros(u.layout.shard_size, dtype=self.wire, device=u.device)
+            self.reduction = BucketedReduceScatter(out, u.group, u.bucket_tag)
+        data = self.data[b]
+        self.data[b] = None
+        if data is None:
+            data = torch.zeros(hi - lo, dtype=self.wire, device=u.device)
+        elif self.pre != 1.0:
+            data.div_(self.pre)
+        self.reduction.post(lo, hi, data)
+        self.next = b + 1
+
+    def close(self) -> torch.Tensor:
+        """At the unit's post-backward: post what is left (with the grads made outside this backward's graph task,
+        zeros for grads that never came), wait, return this rank's reduced shard (wire dtype, S elements)."""
+        u = self._unit()
+        self.active = False
+        try:
+            while self.next < len(self.buckets):
+                b = self.next
+                for i in self.buckets[b][2]:
+                    if i not in self.taken:
+                        self._take(i, b, u.unsharded_params[i])
+                self._post(b)
+        finally:
+            out = self.reduction.finish() if self.reduction is not None else None
+            self.reduction, self.data = None, []
+        late = self.twice + [i for i in self.bucket_of if u.unsharded_params[i].grad is not None]
+        if late:
+            names = ", ".join(u._label(i) for i in sorted(set(late)))
+            raise RuntimeError(
+                f"fully_shard: the grad of {names} was accumulated again after it was reduced in this backward "
+                "(a param whose grad comes from two graph tasks, as a reentrant checkpoint makes, or a second "
+                "backward through it before the unit's post-backward). Use torch.utils.checkpoint with "
+                "use_reentrant=False, or set ragged_optim.sharding.grad_buckets.BUCKET_BYTES = None to reduce each "
+                "unit's grads whole after its backward"
+            )
+        return out
+
+    def abort(self) -> None:
+        """A failed backward: finish the messages every rank posts (the rest as zeros) and drop the result."""
+        if not self.active:
+            return
+        try:
+            self.close()
+        except RuntimeError:
+            pass
+        self.taken = set()
+
+
+def _hook(buckets: GradBuckets, i: int):
+    ref = weakref.ref(buckets)
+
+    def grad_ready(up: torch.Tensor) -> None:
+        b = ref()
+        if b is not None:
+            b.grad_ready(i, up)
+
+    return grad_ready
