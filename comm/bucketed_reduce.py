@@ -34,6 +34,7 @@ class BucketedReduceScatter:
         self.shard = out.numel()
         self.tag = BUCKET_TAG_BASE + tag_index
         self.posted = self.summed = 0  # buckets posted, and summed here and received everywhere
+        self._progress = threading.Condition()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._sum_buckets, name="ragged_optim-bucket-reduce", daemon=True)
@@ -58,17 +59,26 @@ class BucketedReduceScatter:
                 try:
                     if own is not None and self._error is None:
                         out = self.out[start : start + own.numel()]
-                        sum_in_rank_order(out, own, self.rank, self.world, self._receive)
+                        # one receive buffer: the bucket's bytes in flight are what bound the backward's peak
+                        sum_in_rank_order(out, own, self.rank, self.world, self._receive, ahead=1)
                     while sends:
                         sends.pop().wait()
                 except BaseException as e:  # raised by finish(), on the thread that posted
                     self._error = self._error or e
                 del own, sends, item  # the bucket's data goes as soon as it is summed and sent (a send's
                 # work holds its tensor: no loop variable may keep one)
-                self.summed += 1
+                with self._progress:
+                    self.summed += 1
+                    self._progress.notify_all()
 
     def _receive(self, buf: torch.Tensor, src: int):
         return dist.irecv(buf, group=self.group, group_src=src, tag=self.tag)
+
+    def wait_summed(self, timeout: float) -> bool:
+        """Wait (at most ``timeout`` seconds) until every bucket posted so far is summed here and received
+        everywhere, so its bytes are gone; False when the time ran out (nothing is cancelled)."""
+        with self._progress:
+            return self._progress.wait_for(lambda: self.summed >= self.posted, timeout=timeout)
 
     def finish(self) -> torch.Tensor:
         """Wait until every posted bucket is summed here and received by every other rank; returns ``out``.

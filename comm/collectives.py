@@ -132,12 +132,12 @@ def reduce_scatter_p2p(shard_out: torch.Tensor, full: torch.Tensor, group=None, 
     return _Completed() if async_op else None
 
 
-def sum_in_rank_order(out: torch.Tensor, own: torch.Tensor, rank: int, world: int, receive, spares=None) -> None:
+def sum_in_rank_order(out: torch.Tensor, own: torch.Tensor, rank: int, world: int, receive, ahead: int = 2) -> None:
     """``out = ((x_0 + x_1) + x_2) + ...`` where ``x_rank`` is ``own`` and every other ``x_k`` arrives by
     ``receive(buf, k)`` (posts a receive into ``buf``, returns its work). Rank 0's slice is received into ``out``
-    itself, the others into one of two buffers of ``out``'s size (the next receive is posted while one is added):
-    taken from ``spares`` (grown when it has fewer)."""
-    spares = [] if spares is None else spares
+    itself, the others into at most ``ahead`` buffers of ``out``'s size (with 2, the next receive is posted while
+    one is added; with 1, one buffer and no overlap)."""
+    spares: list[torch.Tensor] = []
     others = [k for k in range(world) if k != rank]
     posted: dict[int, tuple] = {}
 
@@ -155,8 +155,8 @@ def sum_in_rank_order(out: torch.Tensor, own: torch.Tensor, rank: int, world: in
                 spares.append(buf)
         posted[k] = (buf, receive(buf, k))
 
-    post(0)
-    post(1)
+    for i in range(ahead):
+        post(i)
     for k in range(world):
         if k == rank:
             got = own
@@ -171,8 +171,8 @@ def sum_in_rank_order(out: torch.Tensor, own: torch.Tensor, rank: int, world: in
         if k != rank:
             del posted[k]
             i = others.index(k)
-            post(i + 1)
-            post(i + 2)
+            for j in range(ahead):
+                post(i + 1 + j)
 
 
 def all_to_all_flat(output: torch.Tensor, input: torch.Tensor, out_splits, in_splits, group=None):

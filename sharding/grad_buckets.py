@@ -14,11 +14,16 @@ The result is bit for bit the whole-unit one (the same rank-order sum of the sam
 from __future__ import annotations
 
 import math
+import warnings
 import weakref
 
 import torch
 
 from ragged_optim.comm.bucketed_reduce import BucketedReduceScatter
+
+#: How long a grad hook waits for its buckets to be summed on every rank before it lets the backward go on (see
+#: ``GradBuckets.patient``).
+PEER_WAIT_S = 2.0
 
 #: The most bytes of adjacent params one bucket takes (a larger param is a bucket of its own); None: every unit's
 #: grads are reduced whole after its backward.
@@ -55,6 +60,12 @@ class GradBuckets:
         self.buckets: list[tuple[int, int, list]] = []
         self._hooked: set[int] = set()
         self.active = False
+        # Whether a hook waits until the buckets it posted are summed everywhere, so a bucket's bytes are gone
+        # before autograd makes the next grad (not waiting, a rank ahead of its peers holds every grad it made
+        # until they catch up: more than the whole-unit reduction). The wait is bounded: a peer may post a bucket
+        # only at its post-backward (a grad it did not get) after collectives of other units that need this rank
+        # (a unit with units inside it: the root, set by the runtime); after one wait runs out, never again.
+        self.patient = True
 
     def plan(self, wire: torch.dtype) -> list[tuple[int, int, list]]:
         u = self._unit()
@@ -98,8 +109,17 @@ class GradBuckets:
             return
         self._take(i, b, up)
         self.missing[b] -= 1
+        posted = self.next
         while self.next < len(self.buckets) and self.missing[self.next] == 0:
             self._post(self.next)
+        if self.next > posted and self.patient and not self.reduction.wait_summed(PEER_WAIT_S):
+            self.patient = False
+            warnings.warn(
+                f"fully_shard: {self._unit().module_name}'s grad buckets waited {PEER_WAIT_S} s for another rank "
+                "(one that got no grad for some of its params posts them at its post-backward); its buckets no "
+                "longer wait, which can hold more memory in backward",
+                stacklevel=2,
+            )
 
     def _take(self, i: int, b: int, up: torch.Tensor) -> None:
         """Param i's grad into bucket b's data; the param lets go of it (a lone param's grad is the data)."""

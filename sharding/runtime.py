@@ -209,6 +209,11 @@ class ModuleState:
         _check_ranks_shard_alike(ctx.states)
         for n, u in enumerate(u for s in ctx.states for u in s.units):  # the same on every rank (module order)
             u.bucket_tag = n % 0x10000
+        for s in ctx.states:  # a unit with units inside: their collectives run within its backward (grad_buckets)
+            inside = {id(m) for m in s.module.modules()} - {id(s.module)}
+            if any(id(o.module) in inside for o in ctx.states if o is not s):
+                for u in s.units:
+                    u.buckets.patient = False
         self.ctx = ctx
         return ctx
 

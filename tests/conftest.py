@@ -17,3 +17,8 @@ sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != _R
 settings.register_profile("ci", derandomize=True, database=None)
 if os.environ.get("CI"):
     settings.load_profile("ci")
+
+if os.environ.get("RO_TEST_BUCKET_BYTES"):  # run the suite with every unit's grads in small buckets (a stress run)
+    from ragged_optim.sharding import grad_buckets
+
+    grad_buckets.BUCKET_BYTES = int(os.environ["RO_TEST_BUCKET_BYTES"])

@@ -166,10 +166,8 @@ class MatricesBlock(nn.Module):
 
 
 def _bucketed_points(rank, world_size, bucket_bytes):
-    """As _step_points, for MatricesBlock units whose grads go in buckets (``bucket_bytes``; None: whole), with
-    each grad hook waiting until its bucket is summed on every rank, so what is alive at each point is exact."""
-    import time
-
+    """As _step_points, for MatricesBlock units whose grads go in buckets (``bucket_bytes``; None: whole). Each
+    grad hook waits until its bucket is summed on every rank, so what is alive at each point is exact."""
     from ragged_optim.sharding import grad_buckets
 
     grad_buckets.BUCKET_BYTES = bucket_bytes
@@ -185,18 +183,9 @@ def _bucketed_points(rank, world_size, bucket_bytes):
         p.grad = None
     gc.collect()
     settle()
-    real_ready = grad_buckets.GradBuckets.grad_ready
-
-    def ready_and_summed(self, i, up):
-        real_ready(self, i, up)
-        r = self.reduction
-        while r is not None and r.summed < r.posted:
-            time.sleep(1e-4)
-
     points = []
     loss = model(x).sum()
     real = _recorded(points)
-    grad_buckets.GradBuckets.grad_ready = ready_and_summed
     try:
         start = alloc_counter.current()
         outer = alloc_counter.reset_peak()
@@ -205,7 +194,6 @@ def _bucketed_points(rank, world_size, bucket_bytes):
         alloc_counter.restore_peak(outer)
     finally:
         ModuleState.pre_backward, ModuleState.post_backward = real["pre"], real["post"]
-        grad_buckets.GradBuckets.grad_ready = real_ready
     blocks, sizes = list(model), []
     for b in model:
         (u,) = [u for u in units_of(model) if u.module is b]
@@ -222,8 +210,8 @@ def _bucketed_points(rank, world_size, bucket_bytes):
 def test_bucketed_backward_bytes_term_by_term():
     """With grads reduced in buckets as they come, a unit's grads do not wait for its backward's end: at its
     post-backward it holds its params and the reduced shard being filled (S), where the whole-unit reduction held
-    all its grads (G). While a bucket is summed, its grad and the receive buffers of the part this rank sums (two
-    of it, rank 0's part landing in the shard itself) are alive. The result is the whole-unit reduction's, bit for
+    all its grads (G). While a bucket is summed, its grad and one receive buffer of the part this rank sums are
+    alive (none where rank 0's part is the only one to receive: it lands in the shard itself). The result is the whole-unit reduction's, bit for
     bit. Fails with buckets off (None: G at every post-backward entry)."""
     world = 4
     whole = run_on_ranks(_bucketed_points, world, None)
@@ -231,7 +219,7 @@ def test_bucketed_backward_bytes_term_by_term():
     for rank, (got, ref) in enumerate(zip(got_all, whole)):
         assert all(torch.equal(a, b) for a, b in zip(got["grads"], ref["grads"]))
         U, S, grads, own = zip(*got["sizes"])
-        receive_bufs = min(2, world - 1 if rank == 0 else world - 2)
+        receive_bufs = min(1, world - 1 if rank == 0 else world - 2)
         rows = got["rows"]
         eps = rows[0][2]
         pre = {r[1]: r for r in rows if r[0] == "pre" and r[1] is not None}
@@ -253,7 +241,7 @@ def test_bucketed_backward_bytes_term_by_term():
             assert exit_ == eps + reduced + following, (rank, k, post[k], rows)
             assert peak == entry, (rank, k, post[k])
         # The peak: in the last unit's backward, one matrix's grad alive with the shard being filled, and either
-        # the receive buffers of its bucket or the WIDTH-vector autograd makes while computing it.
+        # the receive buffer of its bucket or the WIDTH-vector autograd makes while computing it.
         last = order[-1]
         during = max(g + max(4 * WIDTH, receive_bufs * o) for g, o in zip(grads[last], own[last]))
         assert got["peak"] == eps + sum(S) - S[last] + U[last] + S[last] + during, (rank, got["peak"])
