@@ -5,7 +5,8 @@ Each rank posts the same buckets (flat ranges ``[lo, hi)`` of the ``W*S`` input)
 slice for rank k goes to rank k as it is posted, and a worker thread on rank k sums the W slices of its own range
 in rank order into the S-element output as they arrive, then lets the bucket go. The sum is the one
 ``reduce_scatter_p2p`` makes (``((x_0 + x_1) + x_2) + ...``), so bucketing changes no bit of the result. Posting
-never blocks: only :meth:`BucketedReduceScatter.finish` waits, where a whole-buffer reduce-scatter would have.
+never blocks; :meth:`BucketedReduceScatter.finish` waits for everything, where a whole-buffer reduce-scatter would
+have, and :meth:`~BucketedReduceScatter.wait_summed` lets a caller wait, bounded, for the buckets posted so far.
 """
 
 from __future__ import annotations
@@ -23,10 +24,14 @@ from ragged_optim.comm.collectives import sum_in_rank_order
 #: unit's and a block's) never take each other's messages, whatever order their buckets interleave in.
 BUCKET_TAG_BASE = 0x52420000
 
+#: Elements per message: a rank's part of a bucket is sent and summed in chunks of this many, so a receive buffer
+#: is one chunk, not the part (a large param's part can be a whole shard).
+CHUNK = 1 << 16
+
 
 class BucketedReduceScatter:
     """``out`` (S elements, zeros) receives this rank's range of the sum over ranks of the buckets posted with
-    :meth:`post`. The receive buffers of a bucket (at most two of its own range's size) live while it is summed."""
+    :meth:`post`. While a bucket is summed, one receive buffer of at most ``CHUNK`` elements lives."""
 
     def __init__(self, out: torch.Tensor, group, tag_index: int):
         self.out, self.group = out, group
@@ -46,8 +51,9 @@ class BucketedReduceScatter:
         sends = []
         for k in range(self.world):
             a, b = max(lo, k * self.shard), min(hi, (k + 1) * self.shard)
-            if k != self.rank and a < b:
-                sends.append(dist.isend(data[a - lo : b - lo], group=self.group, group_dst=k, tag=self.tag))
+            for c in range(a, b, CHUNK) if k != self.rank else ():
+                piece = data[c - lo : min(b, c + CHUNK) - lo]
+                sends.append(dist.isend(piece, group=self.group, group_dst=k, tag=self.tag))
         a, b = max(lo, self.rank * self.shard), min(hi, (self.rank + 1) * self.shard)
         self.posted += 1
         self._queue.put((data[a - lo : b - lo] if a < b else None, a - self.rank * self.shard, sends))
@@ -58,9 +64,10 @@ class BucketedReduceScatter:
                 own, start, sends = item
                 try:
                     if own is not None and self._error is None:
-                        out = self.out[start : start + own.numel()]
-                        # one receive buffer: the bucket's bytes in flight are what bound the backward's peak
-                        sum_in_rank_order(out, own, self.rank, self.world, self._receive, ahead=1)
+                        # chunk by chunk, one receive buffer: the bytes in flight bound the backward's peak
+                        for c in range(0, own.numel(), CHUNK):
+                            out = self.out[start + c : start + min(own.numel(), c + CHUNK)]
+                            sum_in_rank_order(out, own[c : c + CHUNK], self.rank, self.world, self._receive, ahead=1)
                     while sends:
                         sends.pop().wait()
                 except BaseException as e:  # raised by finish(), on the thread that posted
