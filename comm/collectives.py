@@ -125,7 +125,11 @@ def reduce_scatter_p2p(shard_out: torch.Tensor, full: torch.Tensor, group=None, 
     sends = [dist.isend(piece(k), group=group, group_dst=k, tag=_REDUCE_TAG) for k in range(world) if k != rank]
     with torch.no_grad():
         sum_in_rank_order(
-            shard_out, piece(rank), rank, world, lambda buf, k: dist.irecv(buf, group=group, group_src=k, tag=_REDUCE_TAG)
+            shard_out,
+            piece(rank),
+            rank,
+            world,
+            lambda buf, k: dist.irecv(buf, group=group, group_src=k, tag=_REDUCE_TAG),
         )
     for w in sends:
         w.wait()

@@ -80,6 +80,7 @@ def note(kind: str, nbytes: int) -> None:
         stats.calls[kind] += 1
         stats.bytes[kind] += nbytes
 
+
 # torch's functional collectives (DTensor redistributions, torch.optim.Muon on DTensors) are separate functions in
 # torch.distributed._functional_collectives that DTensor looks up at call time. name -> (kind, count the result?)
 _FUNCTIONAL = {

@@ -545,7 +545,11 @@ class FlatUnit:
         (what the point-to-point reduction makes), and a unit whose grads make at least two buckets."""
         if not (self.trainable and self.requires_grad_sync and self.grad_buf is None and self.unsynced_grad is None):
             return False
-        if self.streams.enabled or self.comm_policy.grad_reduce == "int8" or any(tp is not None for tp in self.tp_parts):
+        if (
+            self.streams.enabled
+            or self.comm_policy.grad_reduce == "int8"
+            or any(tp is not None for tp in self.tp_parts)
+        ):
             return False
         if not p2p_serves(self.group, self.device) or any(up.grad is not None for up in self.unsharded_params):
             return False
