@@ -211,8 +211,8 @@ def test_bucketed_backward_bytes_term_by_term():
     """With grads reduced in buckets as they come, a unit's grads do not wait for its backward's end: at its
     post-backward it holds its params and the reduced shard being filled (S), where the whole-unit reduction held
     all its grads (G). While a bucket is summed, its grad and one receive buffer of the part this rank sums are
-    alive (none where rank 0's part is the only one to receive: it lands in the shard itself). The result is the whole-unit reduction's, bit for
-    bit. Fails with buckets off (None: G at every post-backward entry)."""
+    alive (none where rank 0's part is the only one to receive: it lands in the shard itself). The result is
+    the whole-unit reduction's, bit for bit. Fails with buckets off (None: G at every post-backward entry)."""
     world = 4
     whole = run_on_ranks(_bucketed_points, world, None)
     got_all = run_on_ranks(_bucketed_points, world, 4 * WIDTH * WIDTH)
