@@ -536,8 +536,7 @@ class FlatUnit:
                     up.grad = self._as_unsharded(self._full_slice(self.grad_buf, i), i)
         self.accumulating.update(i for i, rg in enumerate(self.requires_grad) if rg)
         if forward_once and self._buckets_apply():
-            wire = self._wire_dtype()
-            self.buckets.begin(wire, self._divide_plan(wire)[0])
+            self.buckets.begin(self._wire_dtype(), self._divide_plan(self._wire_dtype())[0])
 
     def _buckets_apply(self) -> bool:
         """Reduce in buckets during the backward: a synced backward on CPU gloo ranks without side streams, grads

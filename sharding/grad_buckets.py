@@ -7,8 +7,9 @@ their grads is posted at once (:class:`~ragged_optim.comm.bucketed_reduce.Bucket
 go when every rank has summed them. Buckets are posted strictly in one order, the same on every rank (descending
 flat offset: the order a backward makes grads in), whatever grads a rank got or when: a bucket waiting for a grad
 holds back the ones after it, and the unit's post-backward posts what is left (zeros for grads that never came),
-so every rank sends the same messages. Only the post-backward waits, where the whole-unit reduce-scatter waited.
-The result is bit for bit the whole-unit one (the same rank-order sum of the same values).
+so every rank sends the same messages. The post-backward waits for all of it, where the whole-unit reduce-scatter
+waited; a grad hook waits, bounded, for the buckets it posted (``GradBuckets.patient``). The result is bit for
+bit the whole-unit one (the same rank-order sum of the same values).
 """
 
 from __future__ import annotations
@@ -187,7 +188,6 @@ class GradBuckets:
             self.close()
         except RuntimeError:
             pass
-        self.taken = set()
 
 
 def _hook(buckets: GradBuckets, i: int):

@@ -115,3 +115,19 @@ def tiny_llama(seed=0, **config):
     cfg = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)  # fmt: skip
     return LlamaForCausalLM(LlamaConfig(**{**cfg, **config}))
+
+
+class Boom(RuntimeError):
+    """What a user's forward or backward raises in the failure tests."""
+
+
+class RaiseInBackward(torch.autograd.Function):
+    """Identity whose backward raises :class:`Boom`."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        raise Boom("the user's backward raised")

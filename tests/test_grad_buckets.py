@@ -7,6 +7,7 @@ the control is the same run with buckets off (``BUCKET_BYTES = None``) in the sa
 import pytest
 import torch
 import torch.nn.functional as F
+from fsdp_models import Boom, RaiseInBackward
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -51,20 +52,6 @@ class Model(nn.Module):
         return self.head(x)
 
 
-class _Boom(Exception):
-    pass
-
-
-class _RaiseInBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        raise _Boom("the user's backward raised")
-
-
 PATTERNS = ("plain", "ac", "reentrant", "some_ranks", "frozen", "bf16", "accumulate", "failed_backward")
 
 
@@ -92,10 +79,10 @@ def _train(rank, world, pattern):
                     u.requires_grad_sync = m == micro - 1
                 out = model(x[m::micro])
                 if pattern == "failed_backward" and step == 1:
-                    out = _RaiseInBackward.apply(out)
+                    out = RaiseInBackward.apply(out)
                 try:
                     F.cross_entropy(out, y[m::micro]).backward()
-                except _Boom:
+                except Boom:
                     opt.zero_grad()
                     continue
         calls.append(stats.calls["reduce_scatter"])

@@ -10,7 +10,7 @@ differently (the float reassociation noise of this CPU). Each test failed on mai
 
 import pytest
 import torch
-from fsdp_models import batch, local_rows, loss_fn, make_model, shard, tiny_llama
+from fsdp_models import Boom, RaiseInBackward, batch, local_rows, loss_fn, make_model, shard, tiny_llama
 from noise_bounds import allowed
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -355,20 +355,6 @@ def test_eval_forwards_and_two_forwards_before_backward(world_size):
 # ----------------------------------------------------------------------------------------------- exceptions
 
 
-class _Boom(RuntimeError):
-    pass
-
-
-class _RaiseInBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        raise _Boom("the user's backward raised")
-
-
 FAIL_FORWARD, FAIL_BACKWARD = 1, 2  # the steps whose forward / backward raise on every rank
 
 
@@ -379,9 +365,9 @@ def _failing_blocks(step):
     def call(b, x):
         out = b(x)
         if b is call.blocks[1] and step == FAIL_FORWARD:
-            raise _Boom("the user's forward raised")
+            raise Boom("the user's forward raised")
         if b is call.blocks[0] and step == FAIL_BACKWARD:
-            out = _RaiseInBackward.apply(out)
+            out = RaiseInBackward.apply(out)
         return out
 
     return call
@@ -401,7 +387,7 @@ def _train_with_failures(rank, world_size):
             try:
                 loss_fn(model, local_rows(x, rank, world_size), local_rows(y, rank, world_size)).backward()
                 opt.step()
-            except _Boom:
+            except Boom:
                 if name == "fsdp2":
                     model.reset_iter_state()  # FSDP2 asks for this after a failure; ours needs nothing
                 else:  # no unit holds gathered params after a forward that raised (before: the root did)

@@ -84,15 +84,9 @@ def _recorded(points):
     return real
 
 
-def _step_points(rank, world_size):
-    model = Chain()
-    for b in model.blocks:
-        ro.fully_shard(b)
-    ro.fully_shard(model)
-    x = torch.randn(WIDTH, requires_grad=True)
-    model(x).sum().backward()  # a first step: lazy init
-    for p in [*model.parameters(), x]:
-        p.grad = None
+def _measured_backward(model, x):
+    """One backward of ``model(x).sum()`` after a settle: its pre/post-backward points, the bytes at its start and
+    its peak."""
     gc.collect()
     settle()
     points = []
@@ -106,6 +100,19 @@ def _step_points(rank, world_size):
         alloc_counter.restore_peak(outer)
     finally:
         ModuleState.pre_backward, ModuleState.post_backward = real["pre"], real["post"]
+    return points, start, peak
+
+
+def _step_points(rank, world_size):
+    model = Chain()
+    for b in model.blocks:
+        ro.fully_shard(b)
+    ro.fully_shard(model)
+    x = torch.randn(WIDTH, requires_grad=True)
+    model(x).sum().backward()  # a first step: lazy init
+    for p in [*model.parameters(), x]:
+        p.grad = None
+    points, start, peak = _measured_backward(model, x)
     blocks = list(model.blocks)
     sizes = []
     for b in model.blocks:
@@ -181,19 +188,7 @@ def _bucketed_points(rank, world_size, bucket_bytes):
     grads = [p.grad.full_tensor() for p in model.parameters()]
     for p in [*model.parameters(), x]:
         p.grad = None
-    gc.collect()
-    settle()
-    points = []
-    loss = model(x).sum()
-    real = _recorded(points)
-    try:
-        start = alloc_counter.current()
-        outer = alloc_counter.reset_peak()
-        loss.backward()
-        peak = alloc_counter.stats().peak
-        alloc_counter.restore_peak(outer)
-    finally:
-        ModuleState.pre_backward, ModuleState.post_backward = real["pre"], real["post"]
+    points, start, peak = _measured_backward(model, x)
     blocks, sizes = list(model), []
     for b in model:
         (u,) = [u for u in units_of(model) if u.module is b]
