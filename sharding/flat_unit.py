@@ -1,4 +1,6 @@
-"""One FSDP unit: its params live in one planned flat buffer.
+"""One FSDP unit: its params live in one planned flat buffer. This is its state (buffers, views, the params on
+their modules, when grads are reduced); its collectives are in ``unit_collectives.py``, re-planning in
+``unit_relayout.py``.
 
 Rank k owns elements ``[k*S, (k+1)*S)`` of the ``W*S`` buffer (the *local shard*, persistent, master dtype).
 Sharded params are 1-D views into the local shard; unsharded params are views into one ``W*S`` buffer that an
@@ -17,15 +19,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ragged_optim.comm.collectives import (
-    all_gather_flat,
-    all_reduce_flat,
-    all_to_all_flat,
-    grad_divide_plan,
-    p2p_serves,
-    reduce_scatter_flat,
-)
-from ragged_optim.comm.quantized import quantized_all_gather, quantized_reduce_scatter
+from ragged_optim.comm.collectives import p2p_serves
+from ragged_optim.sharding import unit_collectives, unit_messages
 from ragged_optim.sharding.comm_policy import CommPolicy
 from ragged_optim.sharding.grad_buckets import GradBuckets
 from ragged_optim.sharding.layout import BlockSpec, Layout
@@ -82,7 +77,7 @@ class FlatUnit:
         self.specs = [default_block_spec(p) for p in params]
         self.allow_split = True
         self.layout_locked = False  # set once an optimizer keeps state shaped by this layout
-        self.layout = self._plan([p.shape for p in params])
+        self.layout = self.plan([p.shape for p in params])
         self.local_shard = torch.zeros(self.layout.shard_size, dtype=self.dtype, device=self.device)
         if self.device.type != "meta":  # meta params: only shapes now; to_empty + ro.init_weights fill the shards
             with torch.no_grad():
@@ -115,11 +110,11 @@ class FlatUnit:
         self.force_sum_reduction = False
         self.buckets = GradBuckets(self)  # grads reduced in buckets during the backward (CPU gloo; grad_buckets.py)
         self.bucket_tag = 0  # this unit's index in its root: the tag of its bucket messages
-        self._build_unsharded_params()
+        self.drop_unsharded_params()
         self.set_sharded_attrs()
 
     # ----- layout -------------------------------------------------------------------------------------------
-    def _plan(self, shapes, compute_load=None) -> Layout:
+    def plan(self, shapes, compute_load=None) -> Layout:
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         tensors = [TensorSpec(n, tuple(sh), itemsize, s) for n, sh, s in zip(self.names, shapes, self.specs)]
         return plan_unit(
@@ -142,14 +137,14 @@ class FlatUnit:
         a, b = torch.finfo(self.dtype).bits // 8, torch.finfo(self.param_dtype).bits // 8
         return a * b // math.gcd(a, b)
 
-    def _shard_view(self, buf: torch.Tensor, i: int) -> torch.Tensor:
+    def shard_view(self, buf: torch.Tensor, i: int) -> torch.Tensor:
         """Tensor i's local piece inside an S-element per-rank buffer (the local shard, the sharded grad)."""
         lo, hi = self.layout.local_range(self.rank, i)
         start = self.layout.offsets[i] + lo - self.rank * self.layout.shard_size
         return buf[start : start + (hi - lo)] if hi > lo else buf[:0]
 
     def _local_slice(self, i: int) -> torch.Tensor:
-        return self._shard_view(self.local_shard, i)
+        return self.shard_view(self.local_shard, i)
 
     def _ranges(self, i: int) -> list[tuple[int, int]]:
         return [self.layout.local_range(r, i) for r in range(self.world_size)]
@@ -162,17 +157,17 @@ class FlatUnit:
         shape = self.layout.shapes[i] if tp is None else tp.shape
         return build_ragged(view, shape, self._ranges(i), self.rank, self.group, tp=tp)
 
-    def _repoint(self, sp: nn.Parameter, i: int) -> None:
+    def repoint(self, sp: nn.Parameter, i: int) -> None:
         """Make the sharded param ``sp`` (tensor i) hold its slice of the current local shard and layout (the same
         object: optimizers and modules keep holding it)."""
         sp._local_tensor = self._local_slice(i)
         sp._ragged_ranges = normalize_ranges(self._ranges(i))
 
-    def _full_slice(self, buf: torch.Tensor, i: int) -> torch.Tensor:
+    def full_slice(self, buf: torch.Tensor, i: int) -> torch.Tensor:
         off = self.layout.offsets[i]
         return buf[off : off + math.prod(self.layout.shapes[i])].view(self.layout.shapes[i])
 
-    def _build_unsharded_params(self):
+    def drop_unsharded_params(self):
         """The unsharded buffer and params are made at the first unshard, not here: allocating the buffer only to
         free it again would count a whole unit against every rank while a model is built and initialised."""
         self.unsharded = torch.empty(0, dtype=self.param_dtype, device=self.device)
@@ -186,7 +181,7 @@ class FlatUnit:
             with torch.inference_mode(False):
                 self.unsharded = torch.empty(self.layout.total_size, dtype=self.param_dtype, device=self.device)
                 self.unsharded_params = [
-                    nn.Parameter(self._as_unsharded(self._full_slice(self.unsharded, i), i), requires_grad=rg)
+                    nn.Parameter(self._as_unsharded(self.full_slice(self.unsharded, i), i), requires_grad=rg)
                     for i, rg in enumerate(self.requires_grad)
                 ]
             self._storage_nbytes = self.unsharded.untyped_storage().nbytes()
@@ -198,37 +193,6 @@ class FlatUnit:
         tp = self.tp_parts[i]
         return full if tp is None else tp.unsharded(full)
 
-    def relayout(self, specs: dict[int, BlockSpec], *, allow_split: bool | None = None, compute_load=None) -> bool:
-        """Re-plan with new block specs for some params and move the data to match; param objects are kept.
-
-        A one-time collective (all ranks, before the optimizer has state). Returns True when the layout changed."""
-        new_specs = list(self.specs)
-        for i, s in specs.items():
-            new_specs[i] = s
-        split = self.allow_split if allow_split is None else allow_split
-        if new_specs == self.specs and split == self.allow_split:
-            return False
-        self._refuse_if_locked([self.names[i] for i in specs])
-        old_specs, old_split = self.specs, self.allow_split
-        self.specs, self.allow_split = new_specs, split
-        try:
-            layout = self._plan(self.layout.shapes, compute_load)
-        except BaseException:
-            self.specs, self.allow_split = old_specs, old_split
-            raise
-        self._move_to(layout)
-        return True
-
-    def adopt_layout(self, layout: Layout, specs, allow_split: bool) -> bool:
-        """Take ``layout`` (another unit's of the same params: names, shapes, dtype, world size) and move the data
-        to match. A collective, as :meth:`relayout`. Returns True when the layout changed."""
-        if layout == self.layout:
-            return False
-        self._refuse_if_locked(list(self.names))
-        self.specs, self.allow_split = list(specs), allow_split
-        self._move_to(layout)
-        return True
-
     def set_owners(self, layout: Layout) -> None:
         """Take who computes which block from ``layout``: this layout with its owners re-balanced
         (:func:`~ragged_optim.sharding.planner.assign_owners_jointly`). Data placement is the same: nothing moves."""
@@ -237,86 +201,6 @@ class FlatUnit:
     def lock(self) -> None:
         """An optimizer keeps state shaped by this layout from now on: refuse re-planning it."""
         self.layout_locked = True
-
-    def _refuse_if_locked(self, names) -> None:
-        if self.layout_locked:
-            raise RuntimeError(
-                f"the layout of params {names[:3]} is already in use by an optimizer's state; construct every "
-                "optimizer before the first step (or pass block_policy= to fully_shard)"
-            )
-
-    def _move_to(self, layout: Layout) -> None:
-        """Redistribute the local shard (and grads) from the current layout to ``layout``."""
-        old_layout, old_shard = self.layout, self.local_shard
-        # Grads that exist (a backward ran before the optimizer was built, or before add_param_group) move with
-        # their elements; a param has a grad afterwards where it had one on any rank.
-        had = torch.tensor([sp.grad is not None for sp in self.sharded_params], dtype=torch.float32)
-        if self.world_size > 1 and self.device.type != "meta":  # (a model on meta has no grads to move)
-            had = had.to(self.device)
-            all_reduce_flat(had, group=self.group, op=dist.ReduceOp.MAX)
-        had = [bool(h) for h in had.tolist()]
-        old_grads = None
-        if any(had):
-            old_grads = torch.zeros(old_layout.shard_size, dtype=self.dtype, device=self.device)
-            for i, sp in enumerate(self.sharded_params):
-                if sp.grad is not None:
-                    self._shard_view(old_grads, i).copy_(local_of(sp.grad))
-        self.layout = layout
-        self.local_shard = self._redistribute(old_layout, old_shard, self.layout)
-        grads = self._redistribute(old_layout, old_grads, self.layout) if old_grads is not None else None
-        for i, sp in enumerate(self.sharded_params):
-            sp.grad = None  # (a grad of the old layout would not fit the param's new ranges)
-            self._repoint(sp, i)
-            sp.grad = self.as_ragged(self._shard_view(grads, i), i) if had[i] else None
-        self._sharded_grad = weakref.ref(grads) if grads is not None else None
-        self.is_unsharded, self.stale = False, True
-        self._build_unsharded_params()
-
-    def _pieces(self, src_layout: Layout, src_rank: int, dst_layout: Layout, dst_rank: int):
-        """``(param, lo, hi)``: the runs of elements that ``src_rank`` holds under ``src_layout`` and ``dst_rank``
-        holds under ``dst_layout``, in param order."""
-        for i in range(len(self.sharded_params)):
-            a_lo, a_hi = src_layout.local_range(src_rank, i)
-            b_lo, b_hi = dst_layout.local_range(dst_rank, i)
-            lo, hi = max(a_lo, b_lo), min(a_hi, b_hi)
-            if hi > lo:
-                yield i, lo, hi
-
-    @torch.no_grad()
-    def _redistribute(self, old: Layout, old_shard: torch.Tensor, new: Layout) -> torch.Tensor:
-        """This rank's shard under ``new`` from every rank's shard under ``old``: one all-to-all moving each element
-        straight to its new owner, so a re-plan holds O(S) extra bytes, never the unit whole."""
-
-        def at(layout, rank, i, lo):  # position of element lo of param i in ``rank``'s shard under ``layout``
-            return layout.offsets[i] + lo - rank * layout.shard_size
-
-        send, in_splits, out_splits = [], [], []
-        for dst in range(self.world_size):
-            pieces = list(self._pieces(old, self.rank, new, dst))
-            send += [old_shard[at(old, self.rank, i, lo) : at(old, self.rank, i, lo) + hi - lo] for i, lo, hi in pieces]
-            in_splits.append(sum(hi - lo for _, lo, hi in pieces))
-        recv_pieces = [list(self._pieces(old, src, new, self.rank)) for src in range(self.world_size)]
-        out_splits = [sum(hi - lo for _, lo, hi in pieces) for pieces in recv_pieces]
-        inp = torch.cat(send) if send else old_shard[:0]
-        out = torch.empty(sum(out_splits), dtype=self.dtype, device=self.device)
-        if self.world_size > 1:
-            all_to_all_flat(out, inp, out_splits, in_splits, group=self.group)
-        else:
-            out.copy_(inp)
-        shard = torch.zeros(new.shard_size, dtype=self.dtype, device=self.device)
-        pos = 0
-        for pieces in recv_pieces:
-            for i, lo, hi in pieces:
-                start = at(new, self.rank, i, lo)
-                shard[start : start + hi - lo].copy_(out[pos : pos + hi - lo])
-                pos += hi - lo
-        return shard
-
-    def _gather_master(self) -> list[torch.Tensor]:
-        """Every param's full master value, by one all-gather of the local shard (for tests and debugging)."""
-        out = torch.empty(self.layout.total_size, dtype=self.dtype, device=self.device)
-        all_gather_flat(out, self.local_shard, group=self.group)
-        return [self._full_slice(out, i).clone() for i in range(len(self.sharded_params))]
 
     # ----- module attributes --------------------------------------------------------------------------------
     def _set_attrs(self, params):
@@ -335,35 +219,19 @@ class FlatUnit:
         no grad: .grad stays None), and refuse params that were cast, moved, given new .data or replaced by a new
         Parameter (they no longer live in the local shard, so training would ignore them or fail in backward)."""
         if self.device.type == "meta" and self.sharded_params:
-            raise RuntimeError(
-                f"param {self._label(0)} is still on the meta device: materialize the sharded model before its first "
-                "forward, with model.to_empty(device=...) and then ro.init_weights(model) (or your own init on "
-                "ro.full_tensor views); see docs/runtime.md, 'Big models: meta-device init'"
-            )
+            raise RuntimeError(unit_messages.still_on_meta(self.label(0)))
         shard_ptr = self.local_shard.untyped_storage().data_ptr()
         for i, sp in enumerate(self.sharded_params):
             if sp.dtype != self.dtype or sp.device != self.device:
                 raise RuntimeError(
-                    f"param {self._label(i)} is {sp.dtype} on {sp.device}, but fully_shard laid it out as "
-                    f"{self.dtype} on {self.device}: the module was cast or moved after fully_shard (e.g. "
-                    ".to(torch.bfloat16), .double(), .cuda()). Cast and move the module before fully_shard; for "
-                    "low-precision compute keep the params in fp32 and pass "
-                    "mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)"
+                    unit_messages.cast_or_moved(self.label(i), sp.dtype, sp.device, self.dtype, self.device)
                 )
             if local_of(sp).untyped_storage().data_ptr() != shard_ptr:
-                raise RuntimeError(
-                    f"param {self._label(i)} no longer lives in fully_shard's flat buffer: its .data was replaced "
-                    "after fully_shard, and training would ignore the new tensor. Change params in place "
-                    "(p.copy_(...)) or before fully_shard"
-                )
+                raise RuntimeError(unit_messages.data_replaced(self.label(i)))
             ours = (sp, self.unsharded_params[i]) if self.unsharded_params else (sp,)  # (after module.unshard())
             for mod, attr in self.refs[i]:
                 if not any(mod._parameters.get(attr) is q for q in ours):  # a new Parameter: unshard would drop it
-                    raise RuntimeError(
-                        f"param {self._label(i)} was replaced after fully_shard ({type(mod).__name__}.{attr} is a "
-                        "new object), and training would silently overwrite it. Copy new values in place "
-                        "(with torch.no_grad(): p.copy_(new)) or assign params before fully_shard"
-                    )
+                    raise RuntimeError(unit_messages.param_replaced(self.label(i), type(mod).__name__, attr))
             if sp.requires_grad != self.requires_grad[i]:
                 self.requires_grad[i] = sp.requires_grad
                 if self.unsharded_params:
@@ -380,11 +248,7 @@ class FlatUnit:
         except (RuntimeError, NotImplementedError):  # fn cannot run here (e.g. no such device): leave it to _apply
             return
         if isinstance(probe, torch.Tensor) and probe.dtype != self.dtype:
-            raise RuntimeError(
-                f"the module of param {self._label(0)} is being cast to {probe.dtype} after fully_shard, which laid "
-                f"it out as {self.dtype}: nothing was changed. Cast before fully_shard; for low-precision compute "
-                "keep the params in fp32 and pass mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)"
-            )
+            raise RuntimeError(unit_messages.cast_by_apply(self.label(0), probe.dtype, self.dtype))
 
     def unset_attrs(self) -> None:
         """Take the params off their modules while ``module._apply`` runs, so it does not touch them one by one."""
@@ -404,7 +268,7 @@ class FlatUnit:
             for i, sp in enumerate(self.sharded_params):
                 view = self._local_slice(i)
                 if sp.device == view.device:
-                    self._repoint(sp, i)
+                    self.repoint(sp, i)
                     continue
                 # meta -> a real device: the same Parameter object with the new tensor swapped in (as FSDP2 keeps
                 # its params), so that an optimizer built before to_empty still holds the model's params (with a
@@ -414,13 +278,7 @@ class FlatUnit:
                 try:
                     torch.utils.swap_tensors(sp, new_sp)  # (swaps the objects' __dict__ too: put ours back)
                 except RuntimeError:  # a weak reference to it, which swapping would break: a new object
-                    warnings.warn(
-                        f"to_empty: {self._label(i)} is held by a weak reference, so it could not be kept as the same "
-                        "Parameter object: an optimizer built before to_empty does not hold the new one (build it "
-                        "after to_empty, from model.parameters())",
-                        RuntimeWarning,
-                        stacklevel=4,
-                    )
+                    warnings.warn(unit_messages.kept_by_weak_reference(self.label(i)), RuntimeWarning, stacklevel=4)
                     self.sharded_params[i] = sp = new_sp
                 sp.__dict__.update(attrs)
             if self.sharded_grad is not None:
@@ -428,14 +286,14 @@ class FlatUnit:
                 self._sharded_grad = weakref.ref(grads)
                 for i, sp in enumerate(self.sharded_params):
                     if sp.grad is not None:
-                        sp.grad = self.as_ragged(self._shard_view(grads, i), i)
+                        sp.grad = self.as_ragged(self.shard_view(grads, i), i)
             self.pending_gather = self.pending_reduce = None
             self.is_unsharded, self.stale = False, True
             self.drop_grad_buffers()
-            self._build_unsharded_params()
+            self.drop_unsharded_params()
         self.set_sharded_attrs()
 
-    def _label(self, i: int) -> str:
+    def label(self, i: int) -> str:
         return f"{self.names[i]!r} (in {self.module_name})"
 
     # ----- unshard / reshard --------------------------------------------------------------------------------
@@ -445,23 +303,7 @@ class FlatUnit:
             return
         self._alloc_unsharded()  # on the compute stream, which reads the buffer and frees it
         version = self.unsharded._version
-        fmt, s, src, after = self.comm_policy.param_all_gather, self.streams, self.local_shard, None
-        if fmt != "full":  # quantize the fp32 master shard; the receiver dequantizes into the param dtype
-            bs = self.comm_policy.block_size
-            work, event = s.issue(
-                s.all_gather_stream,
-                lambda: quantized_all_gather(self.unsharded, src, fmt, bs, group=self.group, async_op=True),
-            )
-        else:
-            if self.param_dtype != self.dtype:  # the mixed-precision cast, on the copy-in stream
-                src = torch.empty(self.local_shard.shape, dtype=self.param_dtype, device=self.device)
-                s.copy(src, self.local_shard)
-                after = s.copy_in_stream
-            work, event = s.issue(
-                s.all_gather_stream,
-                lambda: all_gather_flat(self.unsharded, src, group=self.group, async_op=True, p2p=not s.enabled),
-                after=after,
-            )
+        work, src, event = unit_collectives.issue_all_gather(self)
         self.pending_gather = (work, src, version, event)
         self.gathered_from = self._shard_version()
 
@@ -533,10 +375,13 @@ class FlatUnit:
         if self.grad_buf is not None:
             for i, up in enumerate(self.unsharded_params):
                 if up.requires_grad and up.grad is None:
-                    up.grad = self._as_unsharded(self._full_slice(self.grad_buf, i), i)
+                    up.grad = self._as_unsharded(self.full_slice(self.grad_buf, i), i)
         self.accumulating.update(i for i, rg in enumerate(self.requires_grad) if rg)
         if forward_once and self._buckets_apply():
-            self.buckets.begin(self._wire_dtype(), self._divide_plan(self._wire_dtype())[0])
+            self.buckets.begin(
+                unit_collectives.wire_dtype(self),
+                unit_collectives.divide_plan(self, unit_collectives.wire_dtype(self))[0],
+            )
 
     def _buckets_apply(self) -> bool:
         """Reduce in buckets during the backward: a synced backward on CPU gloo ranks without side streams, grads
@@ -552,8 +397,8 @@ class FlatUnit:
             return False
         if not p2p_serves(self.group, self.device) or any(up.grad is not None for up in self.unsharded_params):
             return False
-        wire = self._wire_dtype()
-        return self._divide_plan(wire)[2] == dist.ReduceOp.SUM and len(self.buckets.plan(wire)) > 1
+        wire = unit_collectives.wire_dtype(self)
+        return unit_collectives.divide_plan(self, wire)[2] == dist.ReduceOp.SUM and len(self.buckets.plan(wire)) > 1
 
     @property
     def holds_unreduced_grads(self) -> bool:
@@ -584,7 +429,7 @@ class FlatUnit:
                 if tuple(g.placements) != tp.tp_placements:
                     g = g.redistribute(tp.tp_mesh, tp.tp_placements)
                 g = g.to_local()
-            view = self._full_slice(self.grad_buf, i)
+            view = self.full_slice(self.grad_buf, i)
             if g.data_ptr() != view.data_ptr():  # (a grad autograd made, not the accumulator it added into)
                 view.add_(g)
             up.grad = None
@@ -603,54 +448,26 @@ class FlatUnit:
             if self.grad_buf is not None and self.reduce_dtype != self.param_dtype:
                 self._fold_into_unsynced()
             return False
-        full = self._grads_to_reduce()  # on the compute stream, like the output buffer below (see streams.py)
-        s = self.streams
-        if self.comm_policy.grad_reduce == "int8":
-            out = torch.empty(self.layout.shard_size, dtype=torch.float32, device=self.device)
-            op, post = dist.ReduceOp.SUM, float(self.gradient_divide_factor or self._grad_divisor())
-
-            def reduce():
-                quantized_reduce_scatter(out, full, "int8", self.comm_policy.block_size, group=self.group)
-                return self._all_reduce_replicas_on_stream(out, op)
-        else:
-            pre, post, op = self._divide_plan(full.dtype)
-            out = torch.empty(self.layout.shard_size, dtype=full.dtype, device=self.device)
-
-            def reduce():
-                if pre != 1.0:
-                    full.div_(pre)
-                work = reduce_scatter_flat(out, full, group=self.group, async_op=True, op=op, p2p=not s.enabled)
-                if not s.enabled or self.replicate_group is None:
-                    return work
-                work.wait()
-                return self._all_reduce_replicas_on_stream(out, op)
-
-        work, event = s.issue(s.reduce_stream, reduce)
+        full = self._grads_to_reduce()  # on the compute stream, like the output buffer (see streams.py)
+        work, out, op, post, event = unit_collectives.issue_reduce_scatter(self, full)
         landing = sorted(self.accumulating | {i for i, rg in enumerate(self.requires_grad) if rg})
         self.accumulating.clear()
         self.pending_reduce = (work, out, op, post, event, landing)
         # Alive until the reduce-scatter is done where a side stream reads it (the compute stream's allocator must not
         # reuse it). Without streams the work holds what it reads, and gloo holds a copy of its own: keeping ours
         # too held the unit's grads twice through the next unit's backward.
-        self.reduce_input = full if s.enabled else None
+        self.reduce_input = full if self.streams.enabled else None
         return True
 
     def _finish_buckets(self) -> bool:
         """Post the buckets still to go, wait for the bucketed reduce-scatter, and leave its result to land."""
         self.grads_pending = False
-        _, post, op = self._divide_plan(self._wire_dtype())
+        _, post, op = unit_collectives.divide_plan(self, unit_collectives.wire_dtype(self))
         out = self.buckets.close()
         landing = sorted(self.accumulating | {i for i, rg in enumerate(self.requires_grad) if rg})
         self.accumulating.clear()
         self.pending_reduce = (None, out, op, post, None, landing)
         return True
-
-    def _all_reduce_replicas_on_stream(self, out: torch.Tensor, op):
-        """HSDP with side streams: the all-reduce across replicas follows the reduce-scatter on its stream (in the
-        reduce dtype). Without streams it runs when the reduce-scatter is waited for (``finish_reduce_grads``)."""
-        if not self.streams.enabled or self.replicate_group is None:
-            return None
-        return all_reduce_flat(out, group=self.replicate_group, async_op=True, op=op)
 
     def _fold_into_unsynced(self):
         """Add this backward's grads (param dtype) into the reduce-dtype accumulator and free the grad buffer."""
@@ -662,12 +479,9 @@ class FlatUnit:
             up.grad = None
         self.grad_buf = None
 
-    def _wire_dtype(self) -> torch.dtype:
-        return torch.bfloat16 if self.comm_policy.grad_reduce == "bf16" else self.reduce_dtype
-
     def _grads_to_reduce(self) -> torch.Tensor:
         """The flat W*S grads to reduce, in the wire dtype, owned by the reduction (the grad buffer is released)."""
-        wire = self._wire_dtype()
+        wire = unit_collectives.wire_dtype(self)
         if self.comm_policy.grad_reduce == "int8":
             wire = torch.float32 if self.unsynced_grad is not None else self.param_dtype
         if self.unsynced_grad is not None:
@@ -683,46 +497,27 @@ class FlatUnit:
         self.unsynced_grad = None
         return full
 
-    def _divide_plan(self, dtype: torch.dtype) -> tuple[float, float, object]:
-        """(pre, post, op) of the reduce-scatter: an average over the data-parallel ranks by default; with a
-        divide factor, the sum divided by it once after the reduction (1.0: the plain sum), as FSDP2 divides."""
-        if self.gradient_divide_factor is not None:
-            return 1.0, self.gradient_divide_factor, dist.ReduceOp.SUM
-        pre, post, op = grad_divide_plan(self.group, dtype, self._grad_divisor(), self.device)
-        if self.force_sum_reduction and op != dist.ReduceOp.SUM:  # NCCL's AVG: sum, then divide
-            return 1.0, float(self._grad_divisor()), dist.ReduceOp.SUM
-        return pre, post, op
-
-    def _grad_divisor(self) -> int:
-        rep = dist.get_world_size(self.replicate_group) if self.replicate_group is not None else 1
-        return self.world_size * rep
-
     def finish_reduce_grads(self):
         """Wait for the reduce-scatter, average, and land the result in the sharded params' .grad."""
         if self.pending_reduce is None:
             return
         work, out, op, post, event, trainable = self.pending_reduce
-        self.streams.complete(work, event)
+        out = unit_collectives.complete_reduce(self, work, out, op, post, event)
         self.pending_reduce = None
         self.reduce_input = None
-        if self.replicate_group is not None and not self.streams.enabled:  # HSDP: across replicas, reduce dtype
-            all_reduce_flat(out, group=self.replicate_group, op=op)
-        out = out.to(self.dtype)
-        if post != 1.0:
-            out.div_(post)
         kept = [local_of(self.sharded_params[i].grad) for i in trainable if self.sharded_params[i].grad is not None]
         buf = self.sharded_grad
         if kept and buf is not None and all(_same_storage(g, buf) for g in kept):
             for i in trainable:  # accumulate into the grads kept from an earlier backward, in place
                 if self.sharded_params[i].grad is None:
-                    self._shard_view(buf, i).zero_()
+                    self.shard_view(buf, i).zero_()
             out = buf.add_(out)
         for i in trainable:
             sp = self.sharded_params[i]
             if sp.grad is None:
-                sp.grad = self.as_ragged(self._shard_view(out, i), i)
+                sp.grad = self.as_ragged(self.shard_view(out, i), i)
             elif not _same_storage(local_of(sp.grad), out):  # a grad the user replaced by one of their own: add
-                local_of(sp.grad).add_(self._shard_view(out, i))
+                local_of(sp.grad).add_(self.shard_view(out, i))
         # Only a weak reference: once zero_grad() drops the grads the buffer is freed, as FSDP2 holds nothing either.
         self._sharded_grad = weakref.ref(out)
 
@@ -731,17 +526,6 @@ class FlatUnit:
         """The [S] buffer the sharded params' grads are views of, while any of them is alive."""
         ref = getattr(self, "_sharded_grad", None)
         return ref() if ref is not None else None
-
-    # ----- gathers for users --------------------------------------------------------------------------------
-    def gather_full(self, i: int, local: torch.Tensor) -> torch.Tensor:
-        """The full value of tensor i from each rank's piece ``local`` (same layout as its sharded param)."""
-        buf = torch.zeros(self.layout.shard_size, dtype=local.dtype, device=self.device)
-        self._shard_view(buf, i).copy_(local.reshape(-1))
-        out = torch.empty(self.layout.total_size, dtype=local.dtype, device=self.device)
-        all_gather_flat(out, buf, group=self.group)
-        full = self._full_slice(out, i)
-        tp = self.tp_parts[i]
-        return full.clone() if tp is None else tp.full(full)
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -29,6 +29,7 @@ from ragged_optim.sharding.runtime import ModuleState, cast_floating
 from ragged_optim.sharding.sharded_param import shard_info
 from ragged_optim.sharding.state_dict import loading_strict, register_state_dict_hooks
 from ragged_optim.sharding.tensor_parallel import tensor_parallel_part
+from ragged_optim.sharding.unit_relayout import relayout
 
 _STATE_ATTR = "_ragged_state"
 
@@ -624,7 +625,7 @@ def fully_shard(
     if block_policy is not None:
         for unit, idx in zip(units, split):
             specs = {k: spec for k, i in enumerate(idx) if (spec := block_policy(names[i], params[i])) is not None}
-            unit.relayout(specs)
+            relayout(unit, specs)
     # None: see the docstring
     state = ModuleState(module, units, reshard_after_forward=reshard_after_forward is not False)
     state.modules = modules

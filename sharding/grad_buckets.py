@@ -170,7 +170,7 @@ class GradBuckets:
             self.reduction, self.data = None, []
         late = self.twice + [i for i in self.bucket_of if u.unsharded_params[i].grad is not None]
         if late:
-            names = ", ".join(u._label(i) for i in sorted(set(late)))
+            names = ", ".join(u.label(i) for i in sorted(set(late)))
             raise RuntimeError(
                 f"fully_shard: the grad of {names} was accumulated again after it was reduced in this backward "
                 "(a param whose grad comes from two graph tasks, as a reentrant checkpoint makes, or a second "

@@ -6,6 +6,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ragged_optim.sharding.fully_shard import units_of
+from ragged_optim.sharding.unit_relayout import adopt_layout
 
 
 def match_layout(model: nn.Module, like: nn.Module) -> None:
@@ -42,7 +43,7 @@ def match_layout(model: nn.Module, like: nn.Module) -> None:
                 f"ranks {_ranks(a)[0]} vs {_ranks(b)[0]})"
             )
     for a, b in zip(mine, theirs):
-        a.adopt_layout(b.layout, b.specs, b.allow_split)
+        adopt_layout(a, b.layout, b.specs, b.allow_split)
 
 
 def _ranks(unit) -> tuple:

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ragged_optim.sharding.unit_collectives import gather_full
+
 if TYPE_CHECKING:
     from ragged_optim.sharding.flat_unit import FlatUnit
 
@@ -93,7 +95,7 @@ def full_tensor(param: torch.Tensor) -> torch.Tensor:
         if owner is not None:
             return full_grad(owner)
         return param.detach()
-    return info.unit.gather_full(info.index, local_of(param).detach())
+    return gather_full(info.unit, info.index, local_of(param).detach())
 
 
 def full_grad(param: torch.Tensor) -> torch.Tensor | None:
@@ -105,7 +107,7 @@ def full_grad(param: torch.Tensor) -> torch.Tensor | None:
     if info is None:
         return None if param.grad is None else full_tensor(param.grad)
     local = local_of(param.grad) if param.grad is not None else torch.zeros_like(local_of(param))
-    return info.unit.gather_full(info.index, local.detach())
+    return gather_full(info.unit, info.index, local.detach())
 
 
 def _grad_owner(tensor: torch.Tensor) -> torch.Tensor | None:

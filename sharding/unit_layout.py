@@ -18,6 +18,7 @@ from ragged_optim.sharding.owner_balance import default_block_cost
 from ragged_optim.sharding.planner import assign_owners_jointly
 from ragged_optim.sharding.ragged_tp_layout import share_tensor_parallel_runs, tp_local_spec
 from ragged_optim.sharding.sharded_param import full_shape, shard_info
+from ragged_optim.sharding.unit_relayout import relayout
 
 
 def declare_blocks(
@@ -65,7 +66,7 @@ def declare_blocks(
     _check_ranks_agree([(unit, specs) for unit, specs, _ in by_unit.values()], allow_split)
     groups: dict = {}
     for unit, specs, _ in by_unit.values():
-        unit.relayout(specs, allow_split=allow_split)
+        relayout(unit, specs, allow_split=allow_split)
         groups.setdefault(id(unit.group), []).append(unit)
     for units in groups.values():  # owners of all units of a group, balanced together (largest block first)
 

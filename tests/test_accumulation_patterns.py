@@ -181,7 +181,7 @@ def _reused_block(rank, world_size, shard):
 def _reduces_in_flight_at_issue(rank, world_size):
     """The most reduce-scatters already in flight (issued, not finished) when another is issued, over a backward
     through 4 units."""
-    from ragged_optim.sharding import flat_unit
+    from ragged_optim.sharding import unit_collectives
     from ragged_optim.sharding.fully_shard import units_of
 
     torch.manual_seed(0)
@@ -189,17 +189,17 @@ def _reduces_in_flight_at_issue(rank, world_size):
     for layer in model:
         fully_shard(layer)
     fully_shard(model)
-    seen, issue = [], flat_unit.reduce_scatter_flat
+    seen, issue = [], unit_collectives.reduce_scatter_flat
 
     def counting(*args, **kwargs):
         seen.append(sum(u.pending_reduce is not None for u in units_of(model)))
         return issue(*args, **kwargs)
 
-    flat_unit.reduce_scatter_flat = counting
+    unit_collectives.reduce_scatter_flat = counting
     try:
         model(torch.randn(3, 8)).square().sum().backward()
     finally:
-        flat_unit.reduce_scatter_flat = issue
+        unit_collectives.reduce_scatter_flat = issue
     return seen
 
 

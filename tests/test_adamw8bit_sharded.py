@@ -13,6 +13,7 @@ from ragged_optim.comm.counter import count_collectives
 from ragged_optim.comm.launch import RankFailure, run_on_ranks
 from ragged_optim.optim.adamw8bit import AdamW8bit
 from ragged_optim.sharding import full_tensor, fully_shard, shard_info
+from ragged_optim.sharding.unit_relayout import relayout
 from ragged_optim.testing import set_full_grad
 
 STEPS = 3
@@ -171,7 +172,7 @@ def _cut_layout(rank, world_size):
     opt = make_opt(model.parameters(), 256)
     p = model.ws[0]
     info = shard_info(p)
-    info.unit.relayout({info.index: BlockSpec.elements(1, 1001)}, allow_split=True)
+    relayout(info.unit, {info.index: BlockSpec.elements(1, 1001)}, allow_split=True)
     lo, hi = info.local_range
     set_full_grad(p, torch.ones(info.shape))
     opt.step()

@@ -12,6 +12,7 @@ from ragged_optim.comm.counter import count_collectives
 from ragged_optim.comm.launch import run_on_ranks
 from ragged_optim.comm.quantized import pack, unpack
 from ragged_optim.sharding import CommPolicy, QuantizedAllGather, full_tensor, fully_shard, units_of
+from ragged_optim.sharding.unit_collectives import gather_master
 
 
 def _gather_both_ways(rank, world_size, shapes, fmt, block_size):
@@ -21,7 +22,7 @@ def _gather_both_ways(rank, world_size, shapes, fmt, block_size):
     unit = units_of(model)[0]
     unit.wait_unshard()
     quantized_per_rank = unit.unsharded.clone()
-    full_master = unit._gather_master()  # exact fp32 values, laid out like the flat buffer
+    full_master = gather_master(unit)  # exact fp32 values, laid out like the flat buffer
     flat = torch.zeros(unit.layout.total_size)
     for i, t in enumerate(full_master):
         off = unit.layout.offsets[i]
