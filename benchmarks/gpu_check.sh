@@ -2,7 +2,7 @@
 # GPU check on one CUDA machine (fresh environment, < 9 minutes):
 #   1. sets up a venv that sees the system's packages (reuses a CUDA torch if there is one, installs torch only if
 #      it is missing), plus test deps and, best effort, torchao and bitsandbytes (never letting them move torch);
-#   2. runs tests/test_kernels_*.py on CUDA: the Triton kernels compiled and compared bit for bit with the torch
+#   2. runs tests/kernels/test_kernels_*.py on CUDA: the Triton kernels compiled and compared bit for bit with the torch
 #      reference on the GPU;
 #   3. times Triton vs the torch reference vs torchao / bitsandbytes 8-bit AdamW (benchmarks/kernels_gpu_bench.py);
 #   4. a training step at world size 1 on CUDA with NCCL under torch.cuda.set_sync_debug_mode("error") after
@@ -73,12 +73,12 @@ else
   log "skipping torchao / bitsandbytes installs: $(left)s left"
 fi
 
-log "running tests/test_kernels_*.py on CUDA"
+log "running tests/kernels/test_kernels_*.py on CUDA"
 test_log="$(mktemp)"
 t_tests=$(($(left) - 315)) # leave 75 s for the kernel benchmark, 240 s for steps 4-5
 [ "$t_tests" -le 150 ] || t_tests=150
-timeout "$t_tests" "$py" -m pytest -p no:cacheprovider -rfE tests/test_kernels_quant.py tests/test_kernels_adamw8bit.py \
-  tests/test_kernels_triton.py >"$test_log" 2>&1
+timeout "$t_tests" "$py" -m pytest -p no:cacheprovider -rfE tests/kernels/test_kernels_quant.py tests/kernels/test_kernels_adamw8bit.py \
+  tests/kernels/test_kernels_triton.py >"$test_log" 2>&1
 test_rc=$?
 tail -n 30 "$test_log" >&2
 test_summary="$(grep -E '(passed|failed|error)' "$test_log" | tail -1)"

@@ -7,7 +7,7 @@ With --out naming an existing results file, its runs are kept and only the missi
 made; each run records the commit it ran at and the 1-minute load average when it started (times on a loaded
 machine are longer; the losses do not depend on the load). About 60 to 120 s per 200-step run at 2 ranks on a
 2-core machine. Prints one JSON object: the runs and, per optimizer, the lr with the lowest mean validation loss
-over the seeds (the train job's default lrs are these: tests/test_lr_defaults.py). The README's optimizer table:
+over the seeds (the train job's default lrs are these: tests/train/test_lr_defaults.py). The README's optimizer table:
 
     .venv/bin/python benchmarks/lr_sweep.py --table benchmarks/results/lr_sweep_200steps.json
 """
@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 
-# Each grid has the best mean lr inside it, not at an edge (checked by tests/test_lr_defaults.py).
+# Each grid has the best mean lr inside it, not at an edge (checked by tests/train/test_lr_defaults.py).
 LRS = {
     "adamw": [1e-4, 3e-4, 1e-3, 4e-3, 1e-2, 3e-2],
     "adamw8bit": [3e-4, 1e-3, 3e-3, 1e-2],

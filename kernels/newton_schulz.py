@@ -13,7 +13,8 @@ by the Frobenius norm clamped below by ``eps``, then ``steps`` times::
 
 and transpose back. Inputs with leading dims ``[..., m, n]`` are a batch of independent matrices; each result equals
 orthogonalizing that matrix alone, bit for bit (by default the batch runs the 2-D op sequence per matrix; the
-``batched_matmul=True`` option trades that guarantee for ``torch.baddbmm``). tests/test_muon_plain.py checks both.
+``batched_matmul=True`` option trades that guarantee for ``torch.baddbmm``). tests/optim/muon/test_muon_one_process.py
+checks both.
 
 How the matmuls run (``matmul``): ``"native"`` calls them in the compute dtype, as torch.optim.Muon does.
 ``"upcast"`` keeps every operand and result rounded to the compute dtype but runs each matmul in float32 and rounds
@@ -21,7 +22,7 @@ its output once: bf16 storage with fp32 accumulation, which is what a bf16 GEMM 
 that have one. It differs from ``"native"`` only in the fp32 summation order inside a matmul (on CPU, torch 2.13:
 ``addmm`` bitwise equal, the Gram matrix 1 ulp apart in ~0.02% of elements). Five iterations amplify such flips,
 as they would between any two bf16 GEMM backends: the two results are 1-2% of the largest entry apart, and each is
-as far from the fp32 result as the other (tests/test_newton_schulz_matmul.py measures both). ``"auto"`` (the
+as far from the fp32 result as the other (tests/kernels/test_newton_schulz_matmul.py measures both). ``"auto"`` (the
 default) picks ``"upcast"`` for bf16/fp16 on a CPU without a native low-precision GEMM (torch's bf16 matmul there is
 a generic loop, 10-70x slower than fp32 per op), ``"native"`` everywhere else.
 

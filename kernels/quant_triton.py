@@ -17,7 +17,7 @@ from .qmaps import FP8_INV_MAX, FP8_MAX, INT8_INV_MAX, dynamic_tables
 FMT_IDS = {"int8": 0, "dynamic": 1, "dynamic_unsigned": 2, "fp8_e4m3": 3}
 # enable_fp_fusion=False: no mul+add -> fma contraction (Triton 3.9 fuses by default: 64 fma in the AdamW kernel's
 # sm_90 PTX). enable_reflect_ftz=False: libdevice must not flush subnormals, which torch keeps (a precaution: the
-# PTX has no .ftz either way today). tests/test_kernels_triton.py inspects the compiled PTX.
+# PTX has no .ftz either way today). tests/kernels/test_kernels_triton.py inspects the compiled PTX.
 LAUNCH_OPTS = {"enable_fp_fusion": False, "enable_reflect_ftz": False}
 
 

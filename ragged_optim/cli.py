@@ -1,7 +1,7 @@
 """The `ragged-optim` command line: `train` (the main job), `plan`, `bench`.
 
 Building the parser imports no torch (every ``--help`` answers at once): each command module imports what runs the
-command only when it runs; ``tests/test_cli_help.py`` checks it."""
+command only when it runs; ``tests/cli/test_cli_help.py`` checks it."""
 
 from __future__ import annotations
 

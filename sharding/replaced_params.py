@@ -3,7 +3,7 @@
 ``fully_shard`` replaces a module's params with sharded ones. An optimizer built before it (``opt =
 torch.optim.AdamW(model.parameters())``, then ``fully_shard(model)``) still holds the old tensors: they are in no
 module any more, never get a gradient, and every step skips them, so training silently does nothing. PyTorch
-FSDP2 has the same trap and says nothing (tests/test_replaced_params.py runs it as the control).
+FSDP2 has the same trap and says nothing (tests/sharding/test_replaced_params.py runs it as the control).
 
 Here ``fully_shard`` marks each param it replaces (:func:`mark_replaced`: the param's name in the sharded module,
 and a weak reference to that module), and the first call installs one global optimizer step pre-hook

@@ -78,10 +78,10 @@ def adamw_foreach_update_(
 
     Every element goes through the same fp32 operations as :func:`adamw_update_` (torch.optim.AdamW's
     single-tensor path): lerp, mul + addcmul, sqrt, divide by ``sqrt(1 - beta2**step)``, add eps, addcdiv with
-    ``-lr / (1 - beta1**step)``; the results are bitwise equal (tests/test_muon_plain.py, test_adamw8bit.py). The
-    per-param bias corrections read ``step``, a CPU scalar tensor as in torch: no device sync. bf16 and fp16 params
-    on a CPU go one by one: there torch's foreach ops round a scalar to the tensor's dtype first (``eps``,
-    ``beta2``), where the single-tensor ops compute with it in fp32."""
+    ``-lr / (1 - beta1**step)``; the results are bitwise equal (tests/optim/muon/test_muon_one_process.py,
+    test_adamw8bit_one_process.py). The per-param bias corrections read ``step``, a CPU scalar tensor as in torch: no
+    device sync. bf16 and fp16 params on a CPU go one by one: there torch's foreach ops round a scalar to the tensor's
+    dtype first (``eps``, ``beta2``), where the single-tensor ops compute with it in fp32."""
     buckets: dict[tuple, list[int]] = {}
     for k, (p, state) in enumerate(zip(params, states)):
         _init_state(p, state)

@@ -75,11 +75,11 @@ __all__ = [
 
 #: The size of bf16 Newton-Schulz rounding noise, relative: ``max|O_bf16 - O_fp32| / max|O_fp32|`` for one
 #: orthogonalized update, and ``max|p_a - p_b| / max|p_b - p_0|`` for params after k Muon steps. A figure measured on
-#: one CPU (torch 2.13, between ns_dtype=bfloat16 and float32: 1.6e-2 .. 3.2e-2 for a single update over square,
-#: tall, wide, 1 x N and N x 1 matrices, 0.8e-2 .. 1.2e-2 for params after 10 steps; tests/test_muon_plain.py prints
-#: both), for a user's rough expectations. Another CPU's GEMM rounds differently, so the tests do not use it as a
-#: bound: they bound a bf16 gap by the distance torch's own bf16 Newton-Schulz has from a float64 one, measured in
-#: the same run (tests/ns_reference.py).
+#: one CPU (torch 2.13, between ns_dtype=bfloat16 and float32: 1.6e-2 .. 3.2e-2 for a single update over square, tall,
+#: wide, 1 x N and N x 1 matrices, 0.8e-2 .. 1.2e-2 for params after 10 steps; tests/optim/muon/test_muon_one_process.py
+#: prints both), for a user's rough expectations. Another CPU's GEMM rounds differently, so the tests do not use it as a
+#: bound: they bound a bf16 gap by the distance torch's own bf16 Newton-Schulz has from a float64 one, measured in the
+#: same run (tests/support/ns_reference.py).
 BF16_NS_REL_TOL = 5e-2
 
 # ---------------------------------------------------------------------- the algorithm, one matrix at a time

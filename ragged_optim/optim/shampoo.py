@@ -30,7 +30,7 @@ in one ``all_to_all`` each way (none when nothing is split). Who computes which 
 rank whose bands would keep more than 10% over the mean gives whole bands to less loaded ranks, which compute them
 through the same exchange (``balance_whole_blocks``). Every band's state lives on exactly one rank and
 every band is computed by exactly the same op sequence as on one process, so results do not depend on the world
-size (tests/test_shampoo_sharded.py).
+size (tests/optim/shampoo/test_shampoo_sharded.py).
 
 Placement (torch ``DTensor`` params; FSDP2's ``Shard(0)`` on a 1-D mesh here, any placements on any mesh in
 docs/parallelism.md). A rank holds a chunk of whole rows, a ragged

@@ -64,7 +64,7 @@ class OptimizerEntry:
 
 
 # Default lrs: the best mean validation loss of the lr sweep of this job at its defaults (benchmarks/lr_sweep.py,
-# benchmarks/results/lr_sweep_200steps.json; tests/test_lr_defaults.py keeps the two equal).
+# benchmarks/results/lr_sweep_200steps.json; tests/train/test_lr_defaults.py keeps the two equal).
 OPTIMIZERS: dict[str, OptimizerEntry] = {
     "adamw": OptimizerEntry(_adamw, 1e-3),
     "muon": OptimizerEntry(_muon, 5e-2),
