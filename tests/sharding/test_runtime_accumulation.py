@@ -6,6 +6,8 @@ not take part in every micro-batch, against a one-process run and torch FSDP2 do
   ``zero_grad()``, to be added into the next step that synced it (0.34 off the one-process grad).
 - Freezing a unit between micro-batches (``requires_grad_(False)``): torch keeps the grads already accumulated.
   Before, ours dropped them (``.grad`` None).
+- A block run several times per backward, reduce-scatters in flight, and (without these patterns) accumulated
+  micro-batches equal one large batch, the first ones issuing no reduce-scatter.
 
 Bound: per step and param, ours may be as far from the one-process grads as FSDP2 is, times noise_bounds.FACTOR
 (the same rule as tests/sharding/test_runtime_patterns.py). With bf16 compute (``MixedPrecisionPolicy``) FSDP2 fails
@@ -17,14 +19,17 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+from adamw_runs import assert_matches_single, sharded_run
+from fsdp_models import batch, local_rows, loss_fn, make_model
 from noise_bounds import allowed
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.nn import functional as F
 
+from ragged_optim.comm.counter import count_collectives
 from ragged_optim.comm.launch import run_on_ranks
-from ragged_optim.sharding import full_grad, fully_shard
+from ragged_optim.sharding import full_grad, fully_shard, units_of
 
 WORLD = 2
 SCHEDULE = [["b", "a"], ["a", "b"], ["b", "b"]]  # per step, the head each micro-batch uses; the last one syncs
@@ -270,3 +275,28 @@ def test_one_reduce_scatter_in_flight_when_the_next_is_issued(ranks):
     flight at the backward's peak: one unit's shard of bytes more than the documented bound)."""
     for r in ranks:
         assert len(r["in_flight"]) == 4 and max(r["in_flight"]) == 0, r["in_flight"]
+
+
+def _accumulation_collectives(rank, world_size, accumulate=3):
+    from fsdp_models import shard  # (the name is a loop variable in _on_ranks)
+
+    model = shard(make_model(), fully_shard)
+    x, y = batch(0)
+    chunks = list(
+        zip(local_rows(x, rank, world_size).chunk(accumulate), local_rows(y, rank, world_size).chunk(accumulate))
+    )
+    reduce_scatters = []
+    for i, (xs, ys) in enumerate(chunks):
+        model.set_requires_gradient_sync(i == len(chunks) - 1)
+        with count_collectives() as stats:
+            (loss_fn(model, xs, ys) / accumulate).backward()
+        reduce_scatters.append(stats.calls.get("reduce_scatter", 0))
+    return reduce_scatters, len(units_of(model))
+
+
+def test_gradient_accumulation_equals_large_batch():
+    params, _ = run_on_ranks(sharded_run, 2, accumulate=3)[0]
+    assert_matches_single(params, 2, "3 accumulated micro-batches, 2 ranks")
+    # and the first micro-batches really skip the reduce-scatter: only the last one syncs, once per unit
+    reduce_scatters, n_units = run_on_ranks(_accumulation_collectives, 2)[0]
+    assert reduce_scatters == [0, 0, n_units]

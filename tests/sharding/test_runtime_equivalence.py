@@ -1,14 +1,16 @@
-"""RaggedShard runtime on real gloo ranks: sharded training equals the one-process run."""
+"""RaggedShard runtime on real gloo ranks: sharded training equals the one-process run (AdamW at 1-4 ranks with
+either reshard policy, grads against torch FSDP2's, ranks that own nothing of a unit, global grad clipping with
+torch's arguments, blocks compiled with torch.compile); full state dicts round-trip into plain torch; bad input
+gets a clear error; hyperparameters compare alike in every process."""
 
-import copy
+import os
 
 import pytest
 import torch
-from adamw_runs import EPS, LR, assert_matches_single, max_diff, sharded_run, single_run
+from adamw_runs import assert_matches_single, max_diff, sharded_run
 from fsdp_models import batch, local_rows, loss_fn, make_model, shard
 from noise_bounds import allowed, assert_within_reference, magnitude, max_rel_gap
 
-from ragged_optim.comm.counter import count_collectives
 from ragged_optim.comm.launch import run_on_ranks
 from ragged_optim.sharding import (
     clip_grad_norm_,
@@ -26,29 +28,6 @@ from ragged_optim.sharding import (
 def test_sharded_adamw_equals_single_process(world_size, reshard_after_forward):
     params, _ = run_on_ranks(sharded_run, world_size, reshard_after_forward=reshard_after_forward)[0]
     assert_matches_single(params, world_size, f"AdamW, {world_size} ranks")
-
-
-def _accumulation_collectives(rank, world_size, accumulate=3):
-    model = shard(make_model(), fully_shard)
-    x, y = batch(0)
-    chunks = list(
-        zip(local_rows(x, rank, world_size).chunk(accumulate), local_rows(y, rank, world_size).chunk(accumulate))
-    )
-    reduce_scatters = []
-    for i, (xs, ys) in enumerate(chunks):
-        model.set_requires_gradient_sync(i == len(chunks) - 1)
-        with count_collectives() as stats:
-            (loss_fn(model, xs, ys) / accumulate).backward()
-        reduce_scatters.append(stats.calls.get("reduce_scatter", 0))
-    return reduce_scatters, len(units_of(model))
-
-
-def test_gradient_accumulation_equals_large_batch():
-    params, _ = run_on_ranks(sharded_run, 2, accumulate=3)[0]
-    assert_matches_single(params, 2, "3 accumulated micro-batches, 2 ranks")
-    # and the first micro-batches really skip the reduce-scatter: only the last one syncs, once per unit
-    reduce_scatters, n_units = run_on_ranks(_accumulation_collectives, 2)[0]
-    assert reduce_scatters == [0, 0, n_units]
 
 
 def test_clip_grad_norm_is_global():
@@ -92,36 +71,6 @@ def test_grads_match_single_process(world_size):
     # the one-process run's with the rows as one batch (the same sum in another order), both measured here.
     reference = max(max_rel_gap(fsdp2, ref), max_rel_gap(_single_grads(world_size, one_batch=True), ref))
     assert_within_reference(max_rel_gap(ours, ref), reference, 1.0, f"grads, {world_size} ranks")
-
-
-def _zero_copy(rank, world_size):
-    model = shard(make_model(), fully_shard)
-    checks = []
-    for unit in units_of(model):
-        shard_ptr = unit.local_shard.untyped_storage().data_ptr()
-        checks.append(all(p.to_local().untyped_storage().data_ptr() == shard_ptr for p in unit.sharded_params))
-        unit.wait_unshard()
-        full_ptr = unit.unsharded.untyped_storage().data_ptr()
-        checks.append(all(p.untyped_storage().data_ptr() == full_ptr for p in unit.unsharded_params))
-        unit.reshard()
-        checks.append(unit.unsharded.untyped_storage().size() == 0)
-    x, y = batch(0)
-    with count_collectives() as stats:
-        loss_fn(model, local_rows(x, rank, world_size), local_rows(y, rank, world_size)).backward()
-    grads_alias = all(
-        p.grad.to_local().untyped_storage().data_ptr() == u.sharded_grad.untyped_storage().data_ptr()
-        for u in units_of(model)
-        for p in u.sharded_params
-    )
-    return checks, grads_alias, dict(stats.calls), len(units_of(model))
-
-
-def test_params_and_grads_alias_the_flat_buffers():
-    checks, grads_alias, calls, n_units = run_on_ranks(_zero_copy, 2)[0]
-    assert all(checks) and grads_alias
-    # One all-gather per unit in forward, one more per resharded (non-root) unit in backward, one reduce-scatter.
-    assert calls["all_gather"] == n_units + (n_units - 1)
-    assert calls["reduce_scatter"] == n_units
 
 
 class _Scale(torch.nn.Module):
@@ -210,59 +159,6 @@ def test_full_state_dict_round_trips_into_plain_torch():
     assert max_diff(dict(plain.named_parameters()), dict(ref.named_parameters())) == 0
 
 
-def _mixed_precision(rank, world_size):
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    model = shard(make_model(), fully_shard, mp_policy=mp)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
-    dtypes = {p.dtype for p in model.parameters()}
-    for step in range(2):
-        x, y = batch(step)
-        loss_fn(model, local_rows(x, rank, world_size), local_rows(y, rank, world_size)).backward()
-        grad_dtypes = {p.grad.dtype for p in model.parameters() if p.grad is not None}
-        opt.step()
-        opt.zero_grad()
-    return dtypes, grad_dtypes, {n: full_tensor(p) for n, p in model.named_parameters()}
-
-
-def single_run_bf16_compute(steps, world_size):
-    """One process, what MixedPrecisionPolicy(bf16 params, fp32 reduce) does: each rank's rows go through a bf16
-    copy of the fp32 master params; the bf16 grads, cast to fp32, are averaged; AdamW steps the fp32 masters."""
-    model = make_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
-    for step in range(steps):
-        x, y = batch(step)
-        for rank in range(world_size):
-            low = copy.deepcopy(model).to(torch.bfloat16)
-            loss_fn(low, local_rows(x, rank, world_size), local_rows(y, rank, world_size)).backward()
-            for p, q in zip(model.parameters(), low.parameters()):
-                g = q.grad.float() / world_size
-                p.grad = g if p.grad is None else p.grad + g
-        opt.step()
-        opt.zero_grad()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def test_mixed_precision_keeps_fp32_master_params():
-    dtypes, grad_dtypes, params = run_on_ranks(_mixed_precision, 2)[0]
-    assert dtypes == {torch.float32} and grad_dtypes == {torch.float32}
-    # The reference runs each rank's rows through the same bf16 kernels with one thread, as each rank does (bf16
-    # GEMMs may split their sums by thread count); the 2-term fp32 grad sum is then the only other difference, and
-    # a + b == b + a: so nothing but float32 ulps is allowed (measured: 0.0).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        ref = single_run_bf16_compute(steps=2, world_size=2)
-    finally:
-        torch.set_num_threads(threads)
-    assert_within_reference(max_diff(params, ref), 0.0, magnitude(ref), "bf16 compute, 2 ranks")
-    # and bf16 compute really ran: far from the fp32 run, by 100x more than two fp32 batchings differ
-    fp32 = single_run(steps=2, world_size=2)
-    fp32_noise = max_diff(single_run(steps=2, world_size=2, one_batch=True), fp32)
-    assert max_diff(params, fp32) > 100 * fp32_noise
-
-
 def _bad_input(rank, world_size):
     errors = {}
     mixed = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2).double())
@@ -299,73 +195,6 @@ def test_bad_input_gets_clear_errors():
     assert "count" in errors["int_param"] and "floating-point" in errors["int_param"]
     assert errors["empty_runs"] == 2.0
     assert errors["noncontig_ok"] is True
-
-
-def _one_rank_step_collectives(rank, world_size, side):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard as torch_fully_shard
-
-    if side == "ours":
-        model = shard(make_model(), fully_shard)
-    else:
-        model = shard(make_model(), torch_fully_shard, mesh=init_device_mesh("cpu", (world_size,)))
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
-    x, y = batch(0)
-    for _ in range(2):  # the second step is counted: nothing left to set up
-        with count_collectives() as stats:
-            loss_fn(model, x, y).backward()
-            opt.step()
-            opt.zero_grad()
-    return stats.total_calls
-
-
-def test_one_rank_calls_no_collectives_as_fsdp2():
-    """At world size 1 an all-gather or reduce-scatter is a local copy: no backend call, as in FSDP2 (on an H200's
-    NCCL, bench fsdp's GPT made 35 per step where FSDP2 made none). The values: test_sharded_adamw_equals_single_process
-    at world size 1."""
-    assert run_on_ranks(_one_rank_step_collectives, 1, "fsdp2") == [0]  # the control
-    assert run_on_ranks(_one_rank_step_collectives, 1, "ours") == [0]
-
-
-def _buffers_at_reduce(rank, world_size):
-    """For each reduce-scatter issued: bytes of the issuing unit's unsharded buffer still allocated, and whether the
-    flat grads of the reduce issued before it are still held by the runtime (a weak reference that is alive)."""
-    import gc
-    import weakref
-
-    from ragged_optim.sharding import flat_unit as fu
-    from ragged_optim.sharding import grad_buckets
-
-    grad_buckets.BUCKET_BYTES = None  # the whole-unit reduce-scatter (GPUs, quantized grads, TP) is the subject here
-    model = shard(make_model(n_blocks=3), fully_shard)
-    seen, prev = [], []
-    to_reduce = fu.FlatUnit._grads_to_reduce
-
-    def grads_to_reduce(self):  # right before the reduce-scatter is issued
-        gc.collect()
-        seen.append((self.unsharded.untyped_storage().nbytes(), bool(prev) and prev[-1]() is not None))
-        full = to_reduce(self)
-        prev.append(weakref.ref(full))
-        return full
-
-    fu.FlatUnit._grads_to_reduce = grads_to_reduce
-    try:
-        x, y = batch(0)
-        loss_fn(model, local_rows(x, rank, world_size), local_rows(y, rank, world_size)).backward()
-    finally:
-        fu.FlatUnit._grads_to_reduce = to_reduce
-    return seen
-
-
-def test_a_units_buffers_are_freed_before_its_reduce_scatter():
-    """FSDP2's order: a unit's unsharded params are freed before its reduce-scatter allocates the output (before,
-    after it: the peak of the backward held both). On CPU gloo copies a reduce-scatter's input when it is issued,
-    so the runtime drops its own reference (before, the previous unit's grads were held twice, ours and gloo's,
-    through the next unit's backward: W*S bytes)."""
-    seen = run_on_ranks(_buffers_at_reduce, 2)[0]
-    assert len(seen) == 4
-    assert all(nbytes == 0 for nbytes, _ in seen), seen
-    assert not any(held for _, held in seen), seen
 
 
 def _clip_like_torch(rank, world_size):
@@ -420,3 +249,56 @@ def test_clip_grad_norm_takes_torchs_arguments():
         clipped = {n: (p.grad.double() * coef).float() for n, p in model.named_parameters()}
         assert max_rel_gap(ours[1], clipped) <= allowed(max_rel_gap(theirs[1], clipped), 1.0), norm_type
     assert all(r[1] and "non-finite" in r[1] for r in results) and all(r[2] for r in results)
+
+
+def _compiled(rank, world_size):
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    out = {}
+    for name, compile_blocks in [("eager", False), ("compiled", True)]:
+        model = shard(make_model(), fully_shard)
+        if compile_blocks:
+            for b in model.layers:
+                b.compile(backend="aot_eager")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, eps=1e-6)
+        recompiles = None
+        for step in range(4):
+            if step == 2:
+                torch._dynamo.utils.counters.clear()
+            x, y = batch(step)
+            loss_fn(model, local_rows(x, rank, world_size), local_rows(y, rank, world_size)).backward()
+            opt.step()
+            opt.zero_grad()
+        recompiles = dict(torch._dynamo.utils.counters.get("recompiles", {}))
+        frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        out[name] = ([full_tensor(p) for p in model.parameters()], recompiles, frames)
+    return out
+
+
+def test_torch_compile_of_sharded_blocks():
+    """Each block compiled (aot_eager) after fully_shard trains like eager: the hooks run outside the graph
+    (dynamo is disabled in them, as FSDP2 does) and the steps after the first two compile nothing new."""
+    out = run_on_ranks(_compiled, 2)[0]
+    eager, _, _ = out["eager"]
+    compiled, recompiles, new_graphs = out["compiled"]
+    assert all(torch.equal(a, b) for a, b in zip(eager, compiled))
+    assert recompiles == {} and new_graphs == 0
+
+
+def test_settings_compare_alike_in_every_process():
+    """The first step compares the ranks' hyperparameters by their text: a set (a user tag) printed in hash order,
+    which differs between processes (torchrun's ranks), so identical settings were refused."""
+    import subprocess
+    import sys
+
+    code = (
+        "from ragged_optim.optim.nonfinite import _comparable; "
+        "print(_comparable({'tags': {'decay', 'muon', 'hidden', 'layer0', 'abc', 'xyz'}, 'k': frozenset('abcde')}))"
+    )
+    outs = {
+        subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": seed}, capture_output=True,
+                       text=True, check=True).stdout
+        for seed in ("1", "2", "3", "4")
+    }  # fmt: skip
+    assert len(outs) == 1, outs

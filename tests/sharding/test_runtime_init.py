@@ -1,15 +1,12 @@
-"""Runtime features a real job relies on: meta-device init, frozen params, mixed-precision reduction,
-torch.compile of sharded blocks. Each test failed on main for the reason its docstring gives."""
-
-import os
+"""Building a sharded model as a big-model job does: meta-device init (``to_empty``, ``init_weights``, with a
+transformers ``init_fn``, with a block policy, parents' inits of their children), optimizers built on meta params or
+before ``to_empty``, moves and casts after sharding. Each test failed on main for the reason its docstring gives."""
 
 import pytest
 import torch
 from fsdp_models import Awkward, batch, local_rows, loss_fn, make_model, shard
-from noise_bounds import allowed
 from torch import nn
 
-from ragged_optim.comm.counter import count_collectives
 from ragged_optim.comm.launch import run_on_ranks
 from ragged_optim.memory import peak_bytes
 from ragged_optim.sharding import full_grad, full_tensor, fully_shard, init_weights, units_of
@@ -98,173 +95,6 @@ def test_init_weights_names_modules_without_reset_parameters():
 
     with pytest.raises(ValueError, match=r"NoInit\) has params \(w\) but no reset_parameters\(\); pass init_fn="):
         init_weights(nn.Sequential(NoInit()))
-
-
-# ------------------------------------------------------------------------------------------------ frozen params
-
-
-def _frozen_run(rank, world_size):
-    from torch.distributed.fsdp import fully_shard as torch_fully_shard
-
-    out = {}
-    for name, fs in [("ours", fully_shard), ("fsdp2", torch_fully_shard)]:
-        model = make_model()
-        model.emb.weight.requires_grad_(False)  # tied to the head: the largest param of the root unit
-        shard(model, fs)
-        x, y = batch(0)
-        with count_collectives() as stats:
-            loss_fn(model, local_rows(x, rank, world_size), local_rows(y, rank, world_size)).backward()
-        out[name] = stats.bytes.get("reduce_scatter", 0)
-        out[name + "_frozen_grad"] = model.emb.weight.grad
-    out["trainable_bytes"] = 4 * sum(p.numel() for n, p in make_model().named_parameters() if n != "emb.weight")
-    return out
-
-
-def test_frozen_params_take_no_gradient_bytes():
-    """Main: frozen params stayed in their unit's flat grad buffer and were reduce-scattered as zeros (the frozen
-    embedding alone is most of the root unit's bytes). Now they sit in a unit of their own with no grad buffer;
-    ours must move no more reduce-scatter bytes than FSDP2, which skips params without grads."""
-    out = run_on_ranks(_frozen_run, 3)[0]
-    assert out["ours_frozen_grad"] is None
-    assert out["ours"] <= out["fsdp2"]
-    # what is reduced is the trainable params (padded to the ranks), not the frozen ones
-    assert out["ours"] < out["trainable_bytes"] * 1.1
-
-
-# ---------------------------------------------------------------------------------- mixed-precision reduction
-
-
-def _fp16_reduce(rank, world_size):
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    mp = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float16)
-    model = nn.Linear(4, 4, bias=False)
-    fully_shard(model, mp_policy=mp)
-    x = torch.full((1, 4), 30000.0)  # every rank's weight grad is 30000 in every element: fp16 max is 65504
-    model(x).sum().backward()
-    return full_grad(model.weight)
-
-
-def test_fp16_gradients_near_overflow_are_averaged_without_overflow():
-    """Main: the reduce-scatter summed fp16 grads, then divided: 4 x 30000 overflowed to inf. Now the division is
-    split around the sum (FSDP's pre/post factors), so the mean of equal grads comes back exactly."""
-    grad = run_on_ranks(_fp16_reduce, 4)[0]
-    assert torch.equal(grad, torch.full((4, 4), 30000.0))
-
-
-def _bf16_accumulation(rank, world_size, micro=8):
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-    from torch.distributed.fsdp import fully_shard as torch_fully_shard
-
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    out = {}
-    for name, fs in [("ours", fully_shard), ("fsdp2", torch_fully_shard)]:
-        model = shard(make_model(), fs, mp_policy=mp)
-        x, y = batch(0, n=8 * micro * world_size)
-        xs, ys = local_rows(x, rank, world_size), local_rows(y, rank, world_size)
-        for i, (xm, ym) in enumerate(zip(xs.chunk(micro), ys.chunk(micro))):
-            model.set_requires_gradient_sync(i == micro - 1)
-            (loss_fn(model, xm, ym) / micro).backward()
-        out[name] = [full_grad(p) for p in model.parameters()]
-    return out
-
-
-def _one_process_bf16_grads(world_size, micro=8, accumulate_in=torch.float32, reverse=False):
-    """bf16 compute per micro-batch (as mp_policy does), grads summed in ``accumulate_in``."""
-    model = make_model().to(torch.bfloat16)
-    x, y = batch(0, n=8 * micro * world_size)
-    total = [torch.zeros(p.shape, dtype=accumulate_in) for p in model.parameters()]
-    chunks = [(r, i) for r in range(world_size) for i in range(micro)]
-    for r, i in chunks[::-1] if reverse else chunks:
-        xm, ym = local_rows(x, r, world_size).chunk(micro)[i], local_rows(y, r, world_size).chunk(micro)[i]
-        grads = torch.autograd.grad(loss_fn(model, xm, ym) / micro, list(model.parameters()))
-        for t, g in zip(total, grads):
-            t += g.to(accumulate_in)
-    return [(t / world_size).float() for t in total]
-
-
-def _gdist(a, b):
-    return max(((x - y).abs().max() / y.abs().max().clamp_min(1e-30)).item() for x, y in zip(a, b))
-
-
-def test_no_sync_accumulates_in_the_reduce_dtype():
-    """Main: without gradient sync, bf16 grads accumulated in the bf16 flat buffer; FSDP2 upcasts them to
-    reduce_dtype and accumulates there. Ours must be as close to an fp32-accumulated reference as FSDP2 is (up to
-    4x its distance, or the distance of the same sum taken in another order), far from a bf16-accumulated one."""
-    r = run_on_ranks(_bf16_accumulation, 2)[0]
-    ref = _one_process_bf16_grads(2)
-    noise = max(_gdist(r["fsdp2"], ref), _gdist(_one_process_bf16_grads(2, reverse=True), ref))
-    bf16_error = _gdist(_one_process_bf16_grads(2, accumulate_in=torch.bfloat16), ref)
-    assert _gdist(r["ours"], ref) <= allowed(noise, 1.0) < bf16_error  # relative gaps: ulps of 1
-
-
-# ------------------------------------------------------------------------------------------------ torch.compile
-
-
-def _compiled(rank, world_size):
-    import torch._dynamo
-
-    torch._dynamo.reset()
-    out = {}
-    for name, compile_blocks in [("eager", False), ("compiled", True)]:
-        model = shard(make_model(), fully_shard)
-        if compile_blocks:
-            for b in model.layers:
-                b.compile(backend="aot_eager")
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, eps=1e-6)
-        recompiles = None
-        for step in range(4):
-            if step == 2:
-                torch._dynamo.utils.counters.clear()
-            x, y = batch(step)
-            loss_fn(model, local_rows(x, rank, world_size), local_rows(y, rank, world_size)).backward()
-            opt.step()
-            opt.zero_grad()
-        recompiles = dict(torch._dynamo.utils.counters.get("recompiles", {}))
-        frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        out[name] = ([full_tensor(p) for p in model.parameters()], recompiles, frames)
-    return out
-
-
-def test_torch_compile_of_sharded_blocks():
-    """Each block compiled (aot_eager) after fully_shard trains like eager: the hooks run outside the graph
-    (dynamo is disabled in them, as FSDP2 does) and the steps after the first two compile nothing new."""
-    out = run_on_ranks(_compiled, 2)[0]
-    eager, _, _ = out["eager"]
-    compiled, recompiles, new_graphs = out["compiled"]
-    assert all(torch.equal(a, b) for a, b in zip(eager, compiled))
-    assert recompiles == {} and new_graphs == 0
-
-
-# ------------------------------------------------------------------------------------------ gradient lifetimes
-
-
-def _grad_buffers_alive(rank, world_size):
-    model = shard(make_model(n_blocks=6), fully_shard)
-    units = units_of(model)
-    alive_counts = []
-
-    def holding():  # units holding a W*S grad buffer: being filled, or read by a reduce-scatter in flight
-        return sum(u.grad_buf is not None or u.pending_reduce is not None for u in units)
-
-    def probe(block, x):  # counts during backward, each time the grads of a block's input are done
-        x = x.view_as(x)
-        x.register_hook(lambda g: alive_counts.append(holding()))
-        return block(x)
-
-    model.block_call = probe
-    x, y = batch(0)
-    loss_fn(model, local_rows(x, rank, world_size), local_rows(y, rank, world_size)).backward()
-    return max(alive_counts), holding(), len(units)
-
-
-def test_unsharded_grads_are_freed_as_backward_goes():
-    """Main: every unit's flat grad buffer stayed alive, held by its pending reduce-scatter, until the end of
-    backward, so each rank held the whole model's unsharded grads. Now at most three units hold one at a time: the
-    root (its reduce-scatter runs at the end: its first input, the token ids, needs no grad), the unit in backward,
-    and the one whose reduce-scatter is in flight (docs/runtime.md)."""
-    most, after, n_units = run_on_ranks(_grad_buffers_alive, 2)[0]
-    assert n_units == 7 and most <= 3 and after == 0
 
 
 def _moves_and_casts(rank, world_size):
@@ -407,84 +237,6 @@ def test_init_weights_keeps_a_parents_init_of_its_children(own_param):
     assert all(torch.equal(got[n], eager[n]) for n in eager), [n for n in eager if not torch.equal(got[n], eager[n])]
 
 
-def _ema_run(rank, world_size, opt_name, match):
-    import torch.nn.functional as F
-
-    import ragged_optim as ro
-
-    def build():
-        model = make_model(n_blocks=2)
-        if world_size > 1:
-            shard(model, fully_shard)
-        return model
-
-    student, ema = build(), build()
-    for p in ema.parameters():
-        p.requires_grad_(False)
-    if opt_name == "adamw8bit":
-        opt = ro.AdamW8bit(student.parameters(), lr=3e-3, block_size=256, min_8bit_size=256)
-    else:
-        opt = ro.Shampoo(student.parameters(), lr=3e-3, max_preconditioner_dim=16)
-    if match and world_size > 1:
-        ro.match_layout(ema, student)
-    x, y = batch(0, n=6)
-    try:
-        for _ in range(2):
-            rows = (local_rows(x, rank, world_size), local_rows(y, rank, world_size)) if world_size > 1 else (x, y)
-            F.cross_entropy(student(rows[0]).flatten(0, 1), rows[1].flatten()).backward()
-            opt.step()
-            opt.zero_grad()
-            with torch.no_grad():
-                torch._foreach_lerp_(list(ema.parameters()), list(student.parameters()), 0.5)
-    except RuntimeError as e:
-        return str(e)
-    full = lambda m: {n: full_tensor(p) for n, p in m.named_parameters()}  # noqa: E731
-    return full(ema), full(student)
-
-
-@pytest.mark.parametrize("opt_name", ["adamw8bit", "shampoo"])
-def test_match_layout_pairs_an_ema_model_with_its_student(opt_name):
-    """An EMA twin sharded like its student: the student's optimizer re-plans the student's units for its blocks,
-    so ``torch._foreach_lerp_(ema params, student params)`` met pieces of other lengths ("The size of tensor a
-    (1368) must match the size of tensor b (1536)") or, where lengths happened to agree, other elements.
-    ``ro.match_layout(ema, student)`` gives the EMA the student's layout; the EMA then equals the one-process
-    EMA within the student's own gap to one process (the same elements, lerped)."""
-    from noise_bounds import magnitude, max_abs_gap
-
-    ema_one, student_one = run_on_ranks(_ema_run, 1, opt_name, False)[0]
-    got = run_on_ranks(_ema_run, 3, opt_name, True)[0]
-    assert isinstance(got, tuple), got
-    ema, student = got
-    assert max_abs_gap(ema, ema_one) <= allowed(max_abs_gap(student, student_one), magnitude(ema_one))
-    unmatched = run_on_ranks(_ema_run, 3, opt_name, False)[0]
-    assert isinstance(unmatched, str) and "different layouts" in unmatched and "match_layout" in unmatched
-
-
-def _twin_on_another_mesh(rank, world_size):
-    from torch.distributed.device_mesh import DeviceMesh
-
-    import ragged_optim as ro
-
-    a = DeviceMesh("cpu", torch.tensor([[0, 1], [2, 3]]), mesh_dim_names=("replicate", "shard"))
-    b = DeviceMesh("cpu", torch.tensor([[0, 2], [1, 3]]), mesh_dim_names=("replicate", "shard"))
-    torch.manual_seed(0)
-    m, ema = nn.Sequential(nn.Linear(16, 32, bias=False)), nn.Sequential(nn.Linear(16, 32, bias=False))
-    fully_shard(m, mesh=a)
-    fully_shard(ema, mesh=b)
-    try:
-        ro.match_layout(ema, m)
-    except ValueError as e:
-        return str(e)
-    return None
-
-
-def test_match_layout_refuses_a_twin_on_another_mesh():
-    """Twins whose shard groups hold other ranks (the transposed 2x2 mesh) were matched by world size alone: the
-    pieces then held other elements, and an EMA update mixed them (0.47 off where it must be exact)."""
-    for err in run_on_ranks(_twin_on_another_mesh, 4, timeout_s=90):
-        assert err is not None and "on the same mesh (shard group ranks" in err
-
-
 def _weakly_held_param(rank, world_size):
     import warnings
 
@@ -506,21 +258,3 @@ def test_to_empty_says_when_it_cannot_keep_a_param_object():
     built before it silently updated the old one. It now warns, naming the param."""
     msgs = run_on_ranks(_weakly_held_param, 2, timeout_s=60)[0]
     assert msgs and "an optimizer built before to_empty does not hold the new one" in msgs[0]
-
-
-def test_settings_compare_alike_in_every_process():
-    """The first step compares the ranks' hyperparameters by their text: a set (a user tag) printed in hash order,
-    which differs between processes (torchrun's ranks), so identical settings were refused."""
-    import subprocess
-    import sys
-
-    code = (
-        "from ragged_optim.optim.nonfinite import _comparable; "
-        "print(_comparable({'tags': {'decay', 'muon', 'hidden', 'layer0', 'abc', 'xyz'}, 'k': frozenset('abcde')}))"
-    )
-    outs = {
-        subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": seed}, capture_output=True,
-                       text=True, check=True).stdout
-        for seed in ("1", "2", "3", "4")
-    }  # fmt: skip
-    assert len(outs) == 1, outs

@@ -19,7 +19,7 @@ from ragged_optim.comm.launch import run_on_ranks
 from ragged_optim.sharding import full_grad, full_tensor, fully_shard
 from ragged_optim.sharding.fully_shard import units_of
 
-LR, EPS, STEPS = 1e-4, 1e-6, 3  # see test_runtime_equivalence.py: AdamW must not amplify last-bit grad differences
+LR, EPS, STEPS = 1e-4, 1e-6, 3  # see support/adamw_runs.py: AdamW must not amplify last-bit grad differences
 
 
 def _opt(model):
@@ -465,3 +465,84 @@ def test_a_forward_after_a_step_sees_the_stepped_params():
     ours = run_on_ranks(_eval_then_step, 2, "ours")[0]
     gap = (ours - one).abs().max().item()
     assert gap <= allowed((other - one).abs().max().item(), one.abs().max().item()), gap
+
+
+# --------------------------------------------------------------------------------------------- EMA twins (match_layout)
+
+
+def _ema_run(rank, world_size, opt_name, match):
+    import torch.nn.functional as F
+
+    import ragged_optim as ro
+
+    def build():
+        model = make_model(n_blocks=2)
+        if world_size > 1:
+            shard(model, fully_shard)
+        return model
+
+    student, ema = build(), build()
+    for p in ema.parameters():
+        p.requires_grad_(False)
+    if opt_name == "adamw8bit":
+        opt = ro.AdamW8bit(student.parameters(), lr=3e-3, block_size=256, min_8bit_size=256)
+    else:
+        opt = ro.Shampoo(student.parameters(), lr=3e-3, max_preconditioner_dim=16)
+    if match and world_size > 1:
+        ro.match_layout(ema, student)
+    x, y = batch(0, n=6)
+    try:
+        for _ in range(2):
+            rows = (local_rows(x, rank, world_size), local_rows(y, rank, world_size)) if world_size > 1 else (x, y)
+            F.cross_entropy(student(rows[0]).flatten(0, 1), rows[1].flatten()).backward()
+            opt.step()
+            opt.zero_grad()
+            with torch.no_grad():
+                torch._foreach_lerp_(list(ema.parameters()), list(student.parameters()), 0.5)
+    except RuntimeError as e:
+        return str(e)
+    full = lambda m: {n: full_tensor(p) for n, p in m.named_parameters()}  # noqa: E731
+    return full(ema), full(student)
+
+
+@pytest.mark.parametrize("opt_name", ["adamw8bit", "shampoo"])
+def test_match_layout_pairs_an_ema_model_with_its_student(opt_name):
+    """An EMA twin sharded like its student: the student's optimizer re-plans the student's units for its blocks,
+    so ``torch._foreach_lerp_(ema params, student params)`` met pieces of other lengths ("The size of tensor a
+    (1368) must match the size of tensor b (1536)") or, where lengths happened to agree, other elements.
+    ``ro.match_layout(ema, student)`` gives the EMA the student's layout; the EMA then equals the one-process
+    EMA within the student's own gap to one process (the same elements, lerped)."""
+    from noise_bounds import magnitude, max_abs_gap
+
+    ema_one, student_one = run_on_ranks(_ema_run, 1, opt_name, False)[0]
+    got = run_on_ranks(_ema_run, 3, opt_name, True)[0]
+    assert isinstance(got, tuple), got
+    ema, student = got
+    assert max_abs_gap(ema, ema_one) <= allowed(max_abs_gap(student, student_one), magnitude(ema_one))
+    unmatched = run_on_ranks(_ema_run, 3, opt_name, False)[0]
+    assert isinstance(unmatched, str) and "different layouts" in unmatched and "match_layout" in unmatched
+
+
+def _twin_on_another_mesh(rank, world_size):
+    from torch.distributed.device_mesh import DeviceMesh
+
+    import ragged_optim as ro
+
+    a = DeviceMesh("cpu", torch.tensor([[0, 1], [2, 3]]), mesh_dim_names=("replicate", "shard"))
+    b = DeviceMesh("cpu", torch.tensor([[0, 2], [1, 3]]), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    m, ema = nn.Sequential(nn.Linear(16, 32, bias=False)), nn.Sequential(nn.Linear(16, 32, bias=False))
+    fully_shard(m, mesh=a)
+    fully_shard(ema, mesh=b)
+    try:
+        ro.match_layout(ema, m)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_match_layout_refuses_a_twin_on_another_mesh():
+    """Twins whose shard groups hold other ranks (the transposed 2x2 mesh) were matched by world size alone: the
+    pieces then held other elements, and an EMA update mixed them (0.47 off where it must be exact)."""
+    for err in run_on_ranks(_twin_on_another_mesh, 4, timeout_s=90):
+        assert err is not None and "on the same mesh (shard group ranks" in err

@@ -52,3 +52,8 @@ def assert_within_reference(gap: float, reference_gap: float, scale: float, what
         f"{what}: gap {gap:.3g} > {bound:.3g} (= {FACTOR:g} x the reference gap {reference_gap:.3g} measured in this "
         f"run + {ULPS} float32 ulps of {scale:.3g})"
     )
+
+
+def rel(a, b):
+    """The largest |a - b| relative to the largest |b|, in float64 (the SOAP tests' distance)."""
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp(min=1e-30)).item()

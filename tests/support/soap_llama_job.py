@@ -1,5 +1,5 @@
 """A tiny transformers LlamaForCausalLM trained a few steps with ro.SOAP, ragged-sharded (ro.fully_shard) and torch
-FSDP2 (DTensor params), every rank on the same batches (not a test itself). tests/optim/soap/test_soap.py calls
+FSDP2 (DTensor params), every rank on the same batches (not a test itself). tests/optim/soap/test_soap_sharded.py calls
 ``sharded_runs`` on forked ranks; ``torchrun --nproc-per-node 2 tests/support/soap_llama_job.py OUT`` runs the same
 under torchrun, and rank 0 saves both models' full state dicts to OUT."""
 
