@@ -377,7 +377,7 @@ class FlatUnit:
                 if up.requires_grad and up.grad is None:
                     up.grad = self._as_unsharded(self.full_slice(self.grad_buf, i), i)
         self.accumulating.update(i for i, rg in enumerate(self.requires_grad) if rg)
-        if forward_once and self._buckets_apply():
+        if forward_once and self.buckets.wanted and self._buckets_apply():
             self.buckets.begin(
                 unit_collectives.wire_dtype(self),
                 unit_collectives.divide_plan(self, unit_collectives.wire_dtype(self))[0],

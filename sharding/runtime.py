@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
+from ragged_optim.sharding import grad_buckets
 from ragged_optim.sharding.flat_unit import FlatUnit
 from ragged_optim.sharding.rank_agreement import first_difference
 from ragged_optim.sharding.streams import CommStreams
@@ -125,6 +126,22 @@ class RootContext:
         self.callback_queued = False
         self.iter_forward_root = None
 
+    def choose_grad_buckets(self) -> None:
+        """Which units reduce their grads in buckets (``grad_buckets.ONLY_AT_PEAK``), from the units' sizes in
+        reverse module order: a stack of blocks' backward order, the root (a unit with units inside) last."""
+        units = [u for s in reversed(self.states) for u in s.units]
+        key = (
+            grad_buckets.ONLY_AT_PEAK,
+            grad_buckets.BUCKET_BYTES,
+            tuple((id(u.layout), tuple(u.requires_grad)) for u in units),
+        )
+        if getattr(self, "bucket_choice", None) == key:
+            return
+        chosen = grad_buckets.units_worth_bucketing(units) if grad_buckets.ONLY_AT_PEAK else {id(u) for u in units}
+        for u in units:
+            u.buckets.wanted = id(u) in chosen
+        self.bucket_choice = key
+
     def _clear_post_forward_order(self) -> None:
         self.post_forward_order.clear()
         for s in self.states:
@@ -214,6 +231,7 @@ class ModuleState:
             if any(id(o.module) in inside for o in ctx.states if o is not s):
                 for u in s.units:
                     u.buckets.patient = False
+        ctx.bucket_choice = None
         self.ctx = ctx
         return ctx
 
@@ -307,6 +325,7 @@ class ModuleState:
         ctx.queue_final_callback()
         self._gather()
         once = len(self.post_forward_indices) == 1  # one forward to backward through: all its grads come now
+        ctx.choose_grad_buckets()
         for u in self.units:
             u.set_unsharded_attrs()  # a recompute that bypasses this module's hooks (checkpoint_wrapper) sees them
             u.prepare_grads(forward_once=once)

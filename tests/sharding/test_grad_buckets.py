@@ -102,6 +102,7 @@ def _both(rank, world):
         return real_post(self, b)
 
     grad_buckets.GradBuckets._post = post
+    grad_buckets.ONLY_AT_PEAK = False  # every unit in buckets, not only the ones at the backward's peak
     out = {}
     for pattern in PATTERNS:
         for cap in (64 * 4, None):
@@ -140,7 +141,7 @@ def test_a_grad_accumulated_again_after_its_bucket_went_is_an_error():
 def _twice(rank, world):
     from ragged_optim.sharding import grad_buckets
 
-    grad_buckets.BUCKET_BYTES = 256
+    grad_buckets.BUCKET_BYTES, grad_buckets.ONLY_AT_PEAK = 256, False
 
     class Twice(nn.Module):
         def __init__(self):

@@ -172,14 +172,15 @@ class MatricesBlock(nn.Module):
         return x
 
 
-def _bucketed_points(rank, world_size, bucket_bytes):
-    """As _step_points, for MatricesBlock units whose grads go in buckets (``bucket_bytes``; None: whole). Each
-    grad hook waits until its bucket is summed on every rank, so what is alive at each point is exact."""
+def _bucketed_points(rank, world_size, bucket_bytes, only_at_peak=False, n_blocks=BLOCKS):
+    """As _step_points, for MatricesBlock units whose grads go in buckets (``bucket_bytes``; None: whole; with
+    ``only_at_peak`` the units the runtime picks). Each grad hook waits until its bucket is summed on every rank, so
+    what is alive at each point is exact."""
     from ragged_optim.sharding import grad_buckets
 
-    grad_buckets.BUCKET_BYTES = bucket_bytes
+    grad_buckets.BUCKET_BYTES, grad_buckets.ONLY_AT_PEAK = bucket_bytes, only_at_peak
     torch.manual_seed(0)
-    model = nn.Sequential(*[MatricesBlock(WIDTH) for _ in range(BLOCKS)])
+    model = nn.Sequential(*[MatricesBlock(WIDTH) for _ in range(n_blocks)])
     for b in model:
         ro.fully_shard(b)
     ro.fully_shard(model)
@@ -199,7 +200,8 @@ def _bucketed_points(rank, world_size, bucket_bytes):
         sizes.append((lay.total_size * 4, s * 4, [4 * p.numel() for p in b.parameters()], own))
     rows = [(name, blocks.index(s.module) if s.module is not model else None, before - start, after - start,
              pk - start) for name, s, before, after, pk in points]  # fmt: skip
-    return {"rows": rows, "sizes": sizes, "peak": peak - start, "grads": grads}
+    bucketed = [b for b in range(n_blocks) if [u for u in units_of(model) if u.module is blocks[b]][0].buckets.wanted]
+    return {"rows": rows, "sizes": sizes, "peak": peak - start, "grads": grads, "bucketed": bucketed}
 
 
 def test_bucketed_backward_bytes_term_by_term():
@@ -241,3 +243,21 @@ def test_bucketed_backward_bytes_term_by_term():
         during = max(g + max(4 * WIDTH, receive_bufs * o) for g, o in zip(grads[last], own[last]))
         assert got["peak"] == eps + sum(S) - S[last] + U[last] + S[last] + during, (rank, got["peak"])
         assert got["peak"] < ref["peak"], (got["peak"], ref["peak"])
+
+
+def test_buckets_only_where_the_peak_is():
+    """The runtime buckets only the units whose whole-unit reduction would top the bucketed backward's peak (the
+    last in backward order, beside the most reduced shards): the same peak to the byte as buckets in every unit,
+    the same grads bit for bit, and the units early in backward reduce whole (each bucket costs a wait for the
+    peers). Fails where every unit is bucketed (ONLY_AT_PEAK=False: every block listed) or none is (a higher
+    peak)."""
+    blocks = 8
+    whole = run_on_ranks(_bucketed_points, 4, None, False, blocks)
+    everywhere = run_on_ranks(_bucketed_points, 4, 4 * WIDTH * WIDTH, False, blocks)
+    at_peak = run_on_ranks(_bucketed_points, 4, 4 * WIDTH * WIDTH, True, blocks)
+    for got, ref, off in zip(at_peak, everywhere, whole):
+        assert all(torch.equal(a, b) for a, b in zip(got["grads"], ref["grads"]))
+        assert got["peak"] == ref["peak"] < off["peak"], (got["peak"], ref["peak"], off["peak"])
+        assert ref["bucketed"] == list(range(blocks))
+        # the blocks whose backward comes last (block 0's is the last of all), not the first ones
+        assert got["bucketed"] == list(range(len(got["bucketed"]))) and 0 < len(got["bucketed"]) < blocks, got
