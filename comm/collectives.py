@@ -32,9 +32,14 @@ def _copied(dst: torch.Tensor, src: torch.Tensor, async_op: bool):
     return _Completed() if async_op else None
 
 
-def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group=None, async_op: bool = False, p2p: bool = False):
+def all_gather_flat(output, shard: torch.Tensor, group=None, async_op: bool = False, p2p: bool = False):
     """Gather each rank's ``shard`` (S elements) into ``output`` (W*S elements, rank order), in place. ``p2p``: as
-    point-to-point messages where :func:`p2p_serves` (no whole-output buffer of the backend's)."""
+    point-to-point messages where :func:`p2p_serves` (no whole-output buffer of the backend's). A list ``output``
+    (the W*S elements as parts with storages of their own) is gathered point to point only."""
+    if isinstance(output, list | tuple):
+        if not (p2p and p2p_serves(group, shard.device)):
+            raise ValueError("all_gather_flat: an output in parts needs point-to-point messages on a gloo group")
+        return all_gather_p2p(output, shard, group, async_op)
     if _alone(group):
         return _copied(output, shard, async_op)
     if p2p and p2p_serves(group, output.device):
@@ -91,21 +96,41 @@ class _Works:
         return all(w.is_completed() for w in self.works)
 
 
-def all_gather_p2p(output: torch.Tensor, shard: torch.Tensor, group=None, async_op: bool = False):
+def all_gather_p2p(output, shard: torch.Tensor, group=None, async_op: bool = False):
     """:func:`all_gather_flat` as point-to-point messages straight into ``output``'s slices: this rank's ``shard``
-    to each other rank, each other rank's into its slice (W-1 sends and receives, all posted at once). No buffer
-    besides ``output``. Counted by ``count_collectives`` as one all-gather (its output's bytes)."""
+    to each other rank, each other rank's into its slice (all posted at once). No buffer besides ``output``, which
+    is one tensor (W*S elements) or a list of tensors that together are those W*S elements in order (separate
+    storages, each freed on its own: a unit's params in parts); then a rank's slice that spans parts travels as one
+    message per part. Counted by ``count_collectives`` as one all-gather (its output's bytes)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     n = shard.numel()
+    parts = list(output) if isinstance(output, list | tuple) else [output]
+    starts = [0]
+    for t in parts:
+        starts.append(starts[-1] + t.numel())
+    if starts[-1] != world * n:
+        raise ValueError(f"all_gather_p2p: the output holds {starts[-1]} elements, not world x shard = {world * n}")
+
+    def pieces(k):
+        """(piece of the output, its offset in rank k's shard) for rank k's slice, in output order."""
+        lo, hi = k * n, (k + 1) * n
+        for t, a, b in zip(parts, starts, starts[1:]):
+            if a < hi and b > lo:
+                x, y = max(a, lo), min(b, hi)
+                yield t[x - a : y - a], x - lo
+
+    flat = shard.reshape(-1)
     with torch.no_grad():
-        mine = output[rank * n : (rank + 1) * n]
-        if mine.data_ptr() != shard.data_ptr():
-            mine.copy_(shard.reshape(-1))
+        for piece, off in pieces(rank):
+            if piece.data_ptr() != flat[off:].data_ptr():
+                piece.copy_(flat[off : off + piece.numel()])
     works = []
     for step in range(1, world):
         dst, src = (rank + step) % world, (rank - step) % world
-        works.append(dist.isend(shard, group=group, group_dst=dst, tag=_GATHER_TAG))
-        works.append(dist.irecv(output[src * n : (src + 1) * n], group=group, group_src=src, tag=_GATHER_TAG))
+        for piece, off in pieces(rank):
+            works.append(dist.isend(flat[off : off + piece.numel()], group=group, group_dst=dst, tag=_GATHER_TAG))
+        for piece, _ in pieces(src):
+            works.append(dist.irecv(piece, group=group, group_src=src, tag=_GATHER_TAG))
     handle = _Works(works)
     if async_op:
         return handle

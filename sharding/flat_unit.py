@@ -10,6 +10,7 @@ buffer that one reduce-scatter sums into the sharded grad buffer. No per-param c
 
 from __future__ import annotations
 
+import bisect
 import math
 import warnings
 import weakref
@@ -20,9 +21,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ragged_optim.comm.collectives import p2p_serves
-from ragged_optim.sharding import unit_collectives, unit_messages
+from ragged_optim.sharding import grad_buckets, unit_collectives, unit_messages
 from ragged_optim.sharding.comm_policy import CommPolicy
-from ragged_optim.sharding.grad_buckets import GradBuckets
 from ragged_optim.sharding.layout import BlockSpec, Layout
 from ragged_optim.sharding.planner import TensorSpec, plan_unit
 from ragged_optim.sharding.ragged_dtensor import RaggedDTensor, build_ragged, normalize_ranges
@@ -92,6 +92,12 @@ class FlatUnit:
         self._sharded_grad = None  # weakref to the [S] master-dtype buffer of the sharded grads
         self.unsharded = torch.empty(0, dtype=self.param_dtype, device=self.device)
         self.unsharded_params: list[nn.Parameter] = []
+        # The unsharded buffer as storages each freed on its own: [self.unsharded], or (the units that reduce in
+        # buckets, on CPU) runs of params, so that a run whose grads are all taken is freed inside the backward
+        self.unsharded_parts: list[torch.Tensor] = []
+        self._parts_key = None
+        self._part_missing: list[int] | None = None  # per part, trainable params still to give this backward a grad
+        self.parts_freed_in_backward = 0  # (a count, for tests)
         self.grad_buf = None  # [W*S] param dtype, made at post-backward, alive until the reduce-scatter
         self.grads_pending = False  # the unit's backward ran: its params' grads are to be folded and reduced
         self.is_unsharded = False
@@ -108,7 +114,7 @@ class FlatUnit:
         # FSDPModule.set_gradient_divide_factor (None: the data-parallel size) and set_force_sum_reduction_for_comms
         self.gradient_divide_factor: float | None = None
         self.force_sum_reduction = False
-        self.buckets = GradBuckets(self)  # grads reduced in buckets during the backward (CPU gloo; grad_buckets.py)
+        self.buckets = grad_buckets.GradBuckets(self)  # grads reduced in buckets in the backward (CPU gloo)
         self.bucket_tag = 0  # this unit's index in its root: the tag of its bucket messages
         self.drop_unsharded_params()
         self.set_sharded_attrs()
@@ -163,8 +169,9 @@ class FlatUnit:
         sp._local_tensor = self._local_slice(i)
         sp._ragged_ranges = normalize_ranges(self._ranges(i))
 
-    def full_slice(self, buf: torch.Tensor, i: int) -> torch.Tensor:
-        off = self.layout.offsets[i]
+    def full_slice(self, buf: torch.Tensor, i: int, base: int = 0) -> torch.Tensor:
+        """Tensor i inside a W*S-element buffer (or, ``base``, the part of one that starts at that flat offset)."""
+        off = self.layout.offsets[i] - base
         return buf[off : off + math.prod(self.layout.shapes[i])].view(self.layout.shapes[i])
 
     def drop_unsharded_params(self):
@@ -172,21 +179,56 @@ class FlatUnit:
         free it again would count a whole unit against every rank while a model is built and initialised."""
         self.unsharded = torch.empty(0, dtype=self.param_dtype, device=self.device)
         self.unsharded_params = []
+        self.unsharded_parts, self._parts_key = [], None
+
+    def _wanted_parts(self) -> tuple | None:
+        """The flat ranges of the unsharded buffer's separate storages, or None for one buffer: parts only where
+        grads go in buckets (whose hooks say when a run of params is done with) and the all-gather is ours."""
+        if not (grad_buckets.FREE_PARAMS_IN_BACKWARD and self.buckets.wanted and not self.streams.enabled):
+            return None
+        if self.comm_policy.param_all_gather != "full" or any(tp is not None for tp in self.tp_parts):
+            return None
+        if not p2p_serves(self.group, self.device):
+            return None
+        itemsize = torch.empty(0, dtype=self.param_dtype).element_size()
+        ranges = grad_buckets.plan_parts(self.layout, itemsize)
+        return ranges if len(ranges) > 1 else None
 
     def _alloc_unsharded(self):
         """Storage for the unsharded buffer (re-allocated in place after a reshard, so the params stay views)."""
-        if not self.unsharded_params:
+        key = self._wanted_parts()
+        freed = all(t.untyped_storage().size() == 0 for t in self.unsharded_parts)
+        if not self.unsharded_params or (key != self._parts_key and freed):
             # never an inference tensor, even when the first forward runs under torch.inference_mode(): the buffer
             # lives on, and training forwards save views of it for backward
             with torch.inference_mode(False):
-                self.unsharded = torch.empty(self.layout.total_size, dtype=self.param_dtype, device=self.device)
-                self.unsharded_params = [
-                    nn.Parameter(self._as_unsharded(self.full_slice(self.unsharded, i), i), requires_grad=rg)
-                    for i, rg in enumerate(self.requires_grad)
-                ]
-            self._storage_nbytes = self.unsharded.untyped_storage().nbytes()
-        elif self.unsharded.untyped_storage().size() == 0:
-            self.unsharded.untyped_storage().resize_(self._storage_nbytes)
+                self._make_unsharded(key)
+            return
+        for t in self.unsharded_parts:
+            if t.untyped_storage().size() == 0:
+                t.untyped_storage().resize_(t.numel() * t.element_size())
+
+    def _make_unsharded(self, key: tuple | None) -> None:
+        ranges = key or ((0, self.layout.total_size),)
+        parts = [torch.empty(hi - lo, dtype=self.param_dtype, device=self.device) for lo, hi in ranges]
+        starts = [lo for lo, _ in ranges]
+        self._part_of = [bisect.bisect_right(starts, off) - 1 for off in self.layout.offsets]
+        views = [self.full_slice(parts[p], i, base=starts[p]) for i, p in enumerate(self._part_of)]
+        if not self.unsharded_params:
+            self.unsharded_params = [
+                nn.Parameter(self._as_unsharded(v, i), requires_grad=rg)
+                for i, (v, rg) in enumerate(zip(views, self.requires_grad))
+            ]
+        else:  # parts chosen (or dropped) since: the same param objects (hooks hold them) over the new storages
+            with torch.no_grad():
+                for up, v in zip(self.unsharded_params, views):
+                    up.data = v
+        self.unsharded_parts, self._parts_key = parts, key
+        self.unsharded = parts[0] if key is None else torch.empty(0, dtype=self.param_dtype, device=self.device)
+
+    def gather_target(self):
+        """What the all-gather fills: the flat buffer, or its parts in order."""
+        return self.unsharded if self._parts_key is None else self.unsharded_parts
 
     def _as_unsharded(self, full: torch.Tensor, i: int) -> torch.Tensor:
         """Tensor i's unsharded value as its module sees it: ``full`` itself, or TP's DTensor over it (no copy)."""
@@ -299,10 +341,12 @@ class FlatUnit:
     # ----- unshard / reshard --------------------------------------------------------------------------------
     def start_unshard(self):
         """Issue the all-gather (async) unless the unsharded buffer is current or a gather is in flight."""
+        if self._part_missing is not None and any(t.untyped_storage().size() == 0 for t in self.unsharded_parts):
+            raise RuntimeError(unit_messages.forward_after_params_freed(self))
         if (self.is_unsharded and not self.stale) or self.pending_gather is not None or not self.sharded_params:
             return
         self._alloc_unsharded()  # on the compute stream, which reads the buffer and frees it
-        version = self.unsharded._version
+        version = tuple(t._version for t in self.unsharded_parts)
         work, src, event = unit_collectives.issue_all_gather(self)
         self.pending_gather = (work, src, version, event)
         self.gathered_from = self._shard_version()
@@ -317,7 +361,7 @@ class FlatUnit:
             # The buffer is refilled under autograd's nose on purpose: tensors saved for backward are views of it
             # and the backward all-gather puts the same values back. The collective bumps the version counter
             # (at issue or at completion), so restore it once the data is in.
-            torch._C._autograd._unsafe_set_version_counter((self.unsharded,), (version,))
+            torch._C._autograd._unsafe_set_version_counter(tuple(self.unsharded_parts), version)
 
     def _shard_version(self) -> tuple:
         """What in-place writes to the shard bump: the flat shard's version counter (writes to local pieces, as our
@@ -338,8 +382,10 @@ class FlatUnit:
         if self.pending_gather is not None:
             self.wait_unshard()
         if self.is_unsharded:
-            self.unsharded.untyped_storage().resize_(0)
+            for t in self.unsharded_parts:
+                t.untyped_storage().resize_(0)
             self.is_unsharded = False
+        self._part_missing = None
         self.set_sharded_attrs()
 
     def reset_iteration(self):
@@ -362,14 +408,15 @@ class FlatUnit:
     def trainable(self) -> bool:
         return any(self.requires_grad)
 
-    def prepare_grads(self, forward_once: bool = False):
+    def prepare_grads(self, forward_once: bool = False, free_early: bool = False):
         """Before the unit's backward. The flat grad buffer is not made here: autograd makes each param's grad as
         the backward computes it (as under FSDP2), and :meth:`_fold_param_grads` copies them into a buffer made at
         the unit's post-backward. Before, a zero-filled buffer of the whole unit was allocated here and held through
         the unit's backward: 7.1 MB per unit above FSDP2 on bench20m, the gap in our backward peak. Grads kept from
         an earlier no-sync backward stay the accumulator: each param's .grad points into them, so autograd adds in
         place, in torch's order. ``forward_once``: the unit ran one forward this iteration, so this backward makes
-        all its grads and they may be reduced in buckets as they come (:meth:`_buckets_apply`)."""
+        all its grads and they may be reduced in buckets as they come (:meth:`_buckets_apply`). ``free_early``: the
+        unit reshards after backward, so a part of its params may go as soon as their grads are all taken."""
         if self.trainable:
             self.grads_pending = True
         if self.grad_buf is not None:
@@ -382,6 +429,25 @@ class FlatUnit:
                 unit_collectives.wire_dtype(self),
                 unit_collectives.divide_plan(self, unit_collectives.wire_dtype(self))[0],
             )
+            if free_early and self._parts_key is not None and self.is_unsharded and self.buckets.clean_closes:
+                self._part_missing = [0] * len(self.unsharded_parts)
+                for i, p in enumerate(self._part_of):
+                    # a frozen param's part stays to the post-backward (no grad says when it is done with)
+                    self._part_missing[p] += 1 if self.requires_grad[i] else len(self.layout.offsets) + 1
+
+    def grad_taken(self, i: int) -> None:
+        """Param i's grad left for its bucket: autograd accumulates a param's grad once every op that uses it ran
+        its backward, so a part whose params all gave theirs is read no more in this backward. (A forward that
+        reads a param outside autograd, ``p.detach()`` saved for the backward, breaks that: such models set
+        ``grad_buckets.FREE_PARAMS_IN_BACKWARD = False``.) The first bucketed backward of a unit frees nothing:
+        its end checks that no grad came twice (a reentrant checkpoint, which reads params again later)."""
+        if self._part_missing is None:
+            return
+        p = self._part_of[i]
+        self._part_missing[p] -= 1
+        if self._part_missing[p] == 0:
+            self.unsharded_parts[p].untyped_storage().resize_(0)
+            self.parts_freed_in_backward += 1
 
     def _buckets_apply(self) -> bool:
         """Reduce in buckets during the backward: a synced backward on CPU gloo ranks without side streams, grads

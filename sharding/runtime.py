@@ -82,6 +82,7 @@ class RootContext:
         if self.callback_queued or any(s.training_state != TrainingState.IDLE for s in self.states):
             self.reset()
         self._bind_streams()
+        self.choose_grad_buckets()  # before the forward gathers: a unit that buckets holds its params in parts
         for s in self.states:
             for u in s.units:
                 u.sync_with_sharded_params()
@@ -328,7 +329,7 @@ class ModuleState:
         ctx.choose_grad_buckets()
         for u in self.units:
             u.set_unsharded_attrs()  # a recompute that bypasses this module's hooks (checkpoint_wrapper) sees them
-            u.prepare_grads(forward_once=once)
+            u.prepare_grads(forward_once=once, free_early=self.reshard_after_backward)
         ahead = []
         if self.post_forward_indices:  # prefetch the unit whose backward comes next
             i = self.post_forward_indices.pop()

@@ -12,8 +12,9 @@ from ragged_optim.comm.quantized import quantized_all_gather, quantized_reduce_s
 
 
 def issue_all_gather(unit):
-    """Start filling ``unit.unsharded`` (allocated) from every rank's shard: ``(work, source, event)``. The source
-    (the local shard, or its cast to the param dtype) must stay alive until the work is done."""
+    """Start filling ``unit.gather_target()`` (allocated: the unsharded buffer or its parts) from every rank's
+    shard: ``(work, source, event)``. The source (the local shard, or its cast to the param dtype) must stay alive
+    until the work is done."""
     fmt, s, src, after = unit.comm_policy.param_all_gather, unit.streams, unit.local_shard, None
     if fmt != "full":  # quantize the fp32 master shard; the receiver dequantizes into the param dtype
         bs = unit.comm_policy.block_size
@@ -28,7 +29,7 @@ def issue_all_gather(unit):
         after = s.copy_in_stream
     work, event = s.issue(
         s.all_gather_stream,
-        lambda: all_gather_flat(unit.unsharded, src, group=unit.group, async_op=True, p2p=not s.enabled),
+        lambda: all_gather_flat(unit.gather_target(), src, group=unit.group, async_op=True, p2p=not s.enabled),
         after=after,
     )
     return work, src, event

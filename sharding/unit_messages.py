@@ -62,3 +62,12 @@ def kept_by_weak_reference(label: str) -> str:
         "optimizer built before to_empty does not hold the new one (build it after to_empty, from "
         "model.parameters())"
     )
+
+
+def forward_after_params_freed(unit) -> str:
+    return (
+        f"fully_shard: {unit.module_name}'s forward ran again inside its backward after some of its params were "
+        "freed there (their grads were all taken: a reentrant checkpoint recomputes it later). Use "
+        "torch.utils.checkpoint with use_reentrant=False, or set "
+        "ragged_optim.sharding.grad_buckets.FREE_PARAMS_IN_BACKWARD = False"
+    )

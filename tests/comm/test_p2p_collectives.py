@@ -62,3 +62,33 @@ def test_p2p_gather_and_reduce_scatter(world_size):
 def test_p2p_is_for_gloo_cpu_groups_only():
     assert not p2p_serves(None, torch.device("cpu"))  # no process group here
     assert not dist.is_initialized()
+
+
+def _gather_into_parts(rank, world_size, cuts):
+    shard, _ = _inputs(rank, world_size)
+    bounds = [0, *cuts, world_size * N]
+    parts = [torch.empty(hi - lo) for lo, hi in zip(bounds, bounds[1:])]
+    with count_collectives() as stats:
+        _, peak = peak_bytes(lambda: all_gather_flat(parts, shard, p2p=True))
+    try:
+        all_gather_flat(parts[:-1], shard, p2p=True)
+        short = ""
+    except ValueError as e:
+        short = str(e)
+    return torch.cat(parts), stats.as_dict(), peak, short
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_p2p_gather_into_parts(world_size):
+    """The all-gather into a list of tensors with storages of their own (a unit's params in parts, freed one by one
+    in backward), cut anywhere (inside a rank's piece, at its edge, a part inside one piece): the flat gather's
+    result, counted as one all-gather of the same bytes, no buffer besides the parts; a list that does not hold
+    W x S elements is refused."""
+    want = torch.cat([_inputs(r, world_size)[0] for r in range(world_size)])
+    for cuts in ([N // 3], [N, N + 7, N + 8], [5, 2 * N - 1]):
+        cuts = [c for c in cuts if c < world_size * N]
+        for gathered, stats, peak, short in run_on_ranks(_gather_into_parts, world_size, cuts):
+            assert torch.equal(gathered, want), cuts
+            assert stats["calls"] == {"all_gather": 1} and stats["bytes"] == {"all_gather": 4 * world_size * N}
+            assert peak == 0
+            assert "not world x shard" in short, short

@@ -1,8 +1,9 @@
-"""Grads reduced in buckets during the backward (sharding/grad_buckets.py) give the whole-unit reduction's
-result bit for bit under the patterns people train with: activation checkpointing (both kinds), a param that gets
-a grad on some ranks only, an unused param, a frozen param between trainable ones, bf16 on the wire, gradient
-accumulation, and a backward that raised. The buckets here are small (a few params each) so every unit has many;
-the control is the same run with buckets off (``BUCKET_BYTES = None``) in the same processes."""
+"""Grads reduced in buckets during the backward (sharding/grad_buckets.py), with the params freed part by part as
+their grads are taken, give the whole-unit reduction's result bit for bit under the patterns people train with:
+activation checkpointing (both kinds), a param that gets a grad on some ranks only, an unused param, a frozen param
+between trainable ones, bf16 on the wire, gradient accumulation, and a backward that raised. The buckets here are
+small (a few params each) so every unit has many; the control is the same run with buckets off
+(``BUCKET_BYTES = None``) in the same processes."""
 
 import pytest
 import torch
@@ -89,7 +90,8 @@ def _train(rank, world, pattern):
         if step != 1 or pattern != "failed_backward":
             opt.step()
         opt.zero_grad()
-    return [p.full_tensor() for p in model.parameters()], calls
+    freed = sum(u.parts_freed_in_backward for u in units_of(model))
+    return [p.full_tensor() for p in model.parameters()], calls, freed
 
 
 def _both(rank, world):
@@ -118,8 +120,15 @@ def test_bucketed_grads_equal_the_whole_unit_reduction(world):
     n_units = 4
     for rank, r in enumerate(got):
         for pattern in PATTERNS:
-            (params, calls, by_hook, n_posted), (ref, ref_calls, _, ref_posted) = r[pattern, 256], r[pattern, None]
+            (params, calls, freed, by_hook, n_posted) = r[pattern, 256]
+            (ref, ref_calls, ref_freed, _, ref_posted) = r[pattern, None]
             assert all(torch.equal(a, b) for a, b in zip(params, ref)), (pattern, rank)
+            assert ref_freed == 0, pattern
+            # params freed part by part inside the backward from a unit's second bucketed one (a freed part read
+            # would raise); a reentrant checkpoint's blocks do it in the recompute's backward, where all their
+            # grads come. Not after a backward that raised before reaching the units: its forward still counts,
+            # so the next backward looks like a second use and reduces whole (as no-sync accumulation does)
+            assert (freed > 0) == (pattern not in ("accumulate", "failed_backward")), (pattern, freed)
             assert calls == ref_calls, (pattern, calls, ref_calls)  # one reduce-scatter per unit, bucketed or not
             assert ref_posted == 0, pattern
             if pattern == "accumulate":  # grads kept from a no-sync backward are reduced whole, with this one's
@@ -164,5 +173,64 @@ def _twice(rank, world):
     for p in model.parameters():
         p.grad = None
     grad_buckets.BUCKET_BYTES = None
+    model(x).sum().backward()
+    return msg, all(p.grad is not None for p in model.parameters())
+
+
+def test_a_forward_inside_its_own_backward_after_params_went_is_an_error():
+    """A unit's forward run again inside its own backward, after some of its params were freed there (their
+    grads were all taken): refused with the unit's name and the fix, not run on freed storage, and training goes on
+    with params kept to the post-backward."""
+    for msg, after in run_on_ranks(_forward_in_own_backward, 2):
+        assert "Again's forward ran again inside its backward" in msg and "FREE_PARAMS_IN_BACKWARD" in msg, msg
+        assert after, "the next iteration did not train"
+
+
+class _CallsBack(torch.autograd.Function):
+    """Identity whose backward runs the module given (once), as a user's recompute inside a unit might."""
+
+    @staticmethod
+    def forward(ctx, x, module):
+        ctx.module = module
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.module.calling_back:
+            ctx.module.calling_back = False
+            with torch.enable_grad():
+                ctx.module(torch.zeros(1, D))
+        return g, None
+
+
+def _forward_in_own_backward(rank, world):
+    from ragged_optim.sharding import grad_buckets
+
+    grad_buckets.BUCKET_BYTES, grad_buckets.ONLY_AT_PEAK = 256, False
+
+    class Again(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.l1, self.l2 = nn.Linear(D, D), nn.Linear(D, D)
+            self.calling_back = False
+
+        def forward(self, x):  # _CallsBack's backward comes last in this unit's backward, after every grad
+            return self.l2(self.l1(_CallsBack.apply(x, self)))
+
+    model = Again()
+    ro.fully_shard(model)
+    x = torch.randn(4, D, requires_grad=True)
+    model(x).sum().backward()  # a clean first backward: params are freed from the next one
+    msg = ""
+    try:
+        model.calling_back = True
+        model(x).sum().backward()
+    except RuntimeError as e:
+        msg = str(e)
+    for p in model.parameters():
+        p.grad = None
+    grad_buckets.FREE_PARAMS_IN_BACKWARD = False
+    model.calling_back = True
     model(x).sum().backward()
     return msg, all(p.grad is not None for p in model.parameters())

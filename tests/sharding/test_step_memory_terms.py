@@ -197,25 +197,41 @@ def _bucketed_points(rank, world_size, bucket_bytes, only_at_peak=False, n_block
         # per matrix (one bucket each): its grad's bytes, and the bytes of its range this rank sums
         ranges = [(lay.offsets[i], lay.offsets[i] + math.prod(lay.shapes[i])) for i in range(len(lay.shapes))]
         own = [4 * max(0, min(hi, (rank + 1) * s) - max(lo, rank * s)) for lo, hi in ranges]
-        sizes.append((lay.total_size * 4, s * 4, [4 * p.numel() for p in b.parameters()], own))
+        parts = [4 * (hi - lo) for lo, hi in grad_buckets.plan_parts(lay, 4)][::-1]  # in backward order
+        sizes.append((lay.total_size * 4, s * 4, [4 * p.numel() for p in b.parameters()], own, parts))
     rows = [(name, blocks.index(s.module) if s.module is not model else None, before - start, after - start,
              pk - start) for name, s, before, after, pk in points]  # fmt: skip
     bucketed = [b for b in range(n_blocks) if [u for u in units_of(model) if u.module is blocks[b]][0].buckets.wanted]
     return {"rows": rows, "sizes": sizes, "peak": peak - start, "grads": grads, "bucketed": bucketed}
 
 
+def _bucketed_peak_in(U, parts, grads, own, recv, width=WIDTH):
+    """The highest point of a bucketed unit's backward (above what it started with) whose params go part by part:
+    while autograd makes grad j (the j-th in backward order) the unit holds the parts not yet freed, the shares it
+    summed so far, grad j and a WIDTH-vector autograd makes then; while bucket j is summed, part j is gone, its
+    share and one receive buffer of it are there, and grad j is still in flight."""
+    highest, freed, summed = 0, 0, 0
+    for b, g, o in zip(parts, grads, own):
+        highest = max(highest, U - freed + summed + g + 4 * width)
+        freed, summed = freed + b, summed + o
+        highest = max(highest, U - freed + summed + g + recv * o)
+    return highest
+
+
 def test_bucketed_backward_bytes_term_by_term():
-    """With grads reduced in buckets as they come, a unit's grads do not wait for its backward's end: at its
-    post-backward it holds its params and the reduced shard being filled (S), where the whole-unit reduction held
-    all its grads (G). While a bucket is summed, its grad and one receive buffer of the part this rank sums are
-    alive (none where rank 0's part is the only one to receive: it lands in the shard itself). The result is
-    the whole-unit reduction's, bit for bit. Fails with buckets off (None: G at every post-backward entry)."""
+    """With grads reduced in buckets as they come, a unit's grads do not wait for its backward's end, and its
+    params go part by part as their grads are taken: at its post-backward it holds only the reduced shard being
+    filled (S), where the whole-unit reduction held its params and all its grads (U + G). While a bucket is summed,
+    its grad and one receive buffer of the part this rank sums are alive (none where rank 0's part is the only one
+    to receive: it lands in the shard itself). The result is the whole-unit reduction's, bit for bit. Fails with
+    buckets off (None: U + G at every post-backward entry) and with the params freed only at the post-backward
+    (grad_buckets.FREE_PARAMS_IN_BACKWARD = False, the code before it: U + S there)."""
     world = 4
     whole = run_on_ranks(_bucketed_points, world, None)
     got_all = run_on_ranks(_bucketed_points, world, 4 * WIDTH * WIDTH)
     for rank, (got, ref) in enumerate(zip(got_all, whole)):
         assert all(torch.equal(a, b) for a, b in zip(got["grads"], ref["grads"]))
-        U, S, grads, own = zip(*got["sizes"])
+        U, S, grads, own, parts = zip(*got["sizes"])
         receive_bufs = min(1, world - 1 if rank == 0 else world - 2)
         rows = got["rows"]
         eps = rows[0][2]
@@ -232,16 +248,16 @@ def test_bucketed_backward_bytes_term_by_term():
             gathered = U[k] if i == 0 else 0
             assert (after - before, peak - before) == (gathered, gathered), (rank, k, pre[k])
             _, _, entry, exit_, peak = post[k]
-            assert entry == eps + reduced + U[k] + S[k], (rank, k, post[k], rows)
+            assert entry == eps + reduced + S[k], (rank, k, post[k], rows)
             reduced += S[k]
             following = U[order[i + 1]] if i + 1 < len(order) else 0
             assert exit_ == eps + reduced + following, (rank, k, post[k], rows)
-            assert peak == entry, (rank, k, post[k])
-        # The peak: in the last unit's backward, one matrix's grad alive with the shard being filled, and either
-        # the receive buffer of its bucket or the WIDTH-vector autograd makes while computing it.
+            # the summed shares are copied into the reduced shard, then the next unit is gathered
+            assert peak == max(entry + S[k], exit_), (rank, k, post[k])
+        # The peak: in the last unit's backward (params in backward order: descending offset)
         last = order[-1]
-        during = max(g + max(4 * WIDTH, receive_bufs * o) for g, o in zip(grads[last], own[last]))
-        assert got["peak"] == eps + sum(S) - S[last] + U[last] + S[last] + during, (rank, got["peak"])
+        inside = _bucketed_peak_in(U[last], parts[last], grads[last][::-1], own[last][::-1], receive_bufs)
+        assert got["peak"] == eps + sum(S) - S[last] + inside, (rank, got["peak"], inside)
         assert got["peak"] < ref["peak"], (got["peak"], ref["peak"])
 
 
