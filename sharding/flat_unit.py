@@ -190,9 +190,11 @@ class FlatUnit:
             return None
         if not p2p_serves(self.group, self.device):
             return None
-        itemsize = torch.empty(0, dtype=self.param_dtype).element_size()
-        ranges = grad_buckets.plan_parts(self.layout, itemsize)
-        return ranges if len(ranges) > 1 else None
+        plan = getattr(self, "_parts_plan", None)  # (planned once per layout and cap, not at every gather)
+        if plan is None or plan[0] is not self.layout or plan[1] != grad_buckets.BUCKET_BYTES:
+            ranges = grad_buckets.plan_parts(self.layout, torch.empty(0, dtype=self.param_dtype).element_size())
+            plan = self._parts_plan = (self.layout, grad_buckets.BUCKET_BYTES, ranges if len(ranges) > 1 else None)
+        return plan[2]
 
     def _alloc_unsharded(self):
         """Storage for the unsharded buffer (re-allocated in place after a reshard, so the params stay views)."""

@@ -118,7 +118,7 @@ class GradBuckets:
         # only at its post-backward (a grad it did not get) after collectives of other units that need this rank
         # (a unit with units inside it: the root, set by the runtime); after one wait runs out, never again.
         self.patient = True
-        self.wanted = True  # chosen by the runtime (units_worth_bucketing)
+        self.wanted = False  # chosen by the runtime at each iteration's start (units_worth_bucketing)
         self.clean_closes = 0  # bucketed backwards that ended with no grad accumulated twice
 
     def plan(self, wire: torch.dtype) -> list[tuple[int, int, list]]:
