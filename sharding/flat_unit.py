@@ -96,6 +96,7 @@ class FlatUnit:
         # buckets, on CPU) runs of params, so that a run whose grads are all taken is freed inside the backward
         self.unsharded_parts: list[torch.Tensor] = []
         self._parts_key = None
+        self._parts_plan = None  # (layout, BUCKET_BYTES, its parts' ranges): planned once per layout and cap
         self._part_missing: list[int] | None = None  # per part, trainable params still to give this backward a grad
         self.parts_freed_in_backward = 0  # (a count, for tests)
         self.grad_buf = None  # [W*S] param dtype, made at post-backward, alive until the reduce-scatter
@@ -190,7 +191,7 @@ class FlatUnit:
             return None
         if not p2p_serves(self.group, self.device):
             return None
-        plan = getattr(self, "_parts_plan", None)  # (planned once per layout and cap, not at every gather)
+        plan = self._parts_plan
         if plan is None or plan[0] is not self.layout or plan[1] != grad_buckets.BUCKET_BYTES:
             ranges = grad_buckets.plan_parts(self.layout, torch.empty(0, dtype=self.param_dtype).element_size())
             plan = self._parts_plan = (self.layout, grad_buckets.BUCKET_BYTES, ranges if len(ranges) > 1 else None)

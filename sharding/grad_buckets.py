@@ -44,18 +44,16 @@ FREE_PARAMS_IN_BACKWARD = True
 
 
 def plan_parts(layout, itemsize: int) -> tuple[tuple[int, int], ...]:
-    """Flat ranges covering ``[0, layout.total_size)``, cut only where a param starts: runs of adjacent params of
-    at most ``BUCKET_BYTES`` (a larger param alone), padding with the param before it. Empty without buckets."""
+    """Flat ranges covering ``[0, layout.total_size)``, cut only where a param starts: the buckets'
+    runs (:func:`plan_buckets`) over every param, frozen or not, padding with the param before it. Empty without
+    buckets."""
     if BUCKET_BYTES is None or not layout.offsets:
         return ()
-    order = sorted(range(len(layout.offsets)), key=lambda i: layout.offsets[i])
-    cuts = [0]
-    for i in order:
-        off, end = layout.offsets[i], layout.offsets[i] + math.prod(layout.shapes[i])
-        if off > cuts[-1] and (end - cuts[-1]) * itemsize > BUCKET_BYTES:
-            cuts.append(off)
-    cuts.append(layout.total_size)
-    return tuple(zip(cuts, cuts[1:]))
+    numels = [math.prod(s) for s in layout.shapes]
+    runs = plan_buckets(layout.offsets, numels, [True] * len(numels), itemsize, BUCKET_BYTES)
+    cuts = sorted(lo for lo, _, _ in runs)
+    cuts[0] = 0
+    return tuple(zip(cuts, [*cuts[1:], layout.total_size]))
 
 
 def plan_buckets(offsets, numels, trainable, itemsize: int, cap: int) -> list[tuple[int, int, list]]:
